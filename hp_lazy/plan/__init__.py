@@ -1,0 +1,6 @@
+"""What is sharded: placements, contracts, plans and their per-module slices."""
+
+from hp_lazy.plan.model import Contract, ModulePlan, Plan
+from hp_lazy.plan.placement import Placement
+
+__all__ = ["Contract", "ModulePlan", "Placement", "Plan"]
