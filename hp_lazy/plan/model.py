@@ -11,9 +11,12 @@ Output keys are ``"output"`` (the sole return value, or position 0 of a tuple re
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+from functools import cached_property
 from types import MappingProxyType
-from typing import Mapping
+from typing import Any, Mapping
 
 from hp_lazy.plan.placement import Placement
 
@@ -55,6 +58,12 @@ class Contract:
 
         return getattr(self, side).get(name, {}).get(axis, REPLICATE)
 
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON body of this contract (no pattern), placements as strings, empty fields left out."""
+        from hp_lazy.plan.parse import contract_to_dict
+
+        return contract_to_dict(self)
+
 
 @dataclass(frozen=True, kw_only=True)
 class Plan:
@@ -70,6 +79,71 @@ class Plan:
     auto: Mapping[str, object] | None = None
     """Set for ``Plan.auto``: ``{"tp": 2, "sequence_parallel": False, "loss_parallel": False}``;
     the contracts of each transformers module are derived when it is imported."""
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Plan":
+        """Validate and normalise JSON data (DESIGN.md section 2); raises ``PlanError``."""
+        from hp_lazy.plan.parse import plan_from_dict
+
+        return plan_from_dict(data)
+
+    @classmethod
+    def from_json(cls, path_or_text: "str | os.PathLike[str]") -> "Plan":
+        """JSON text (starting with ``{``) or the path of a JSON file."""
+        from hp_lazy.plan.parse import plan_from_json
+
+        return plan_from_json(path_or_text)
+
+    def to_dict(self) -> dict[str, Any]:
+        from hp_lazy.plan.parse import plan_to_dict
+
+        return plan_to_dict(self)
+
+    def to_json(self, indent: int | None = None) -> str:
+        """Canonical JSON (sorted keys, no whitespace) unless ``indent`` is given."""
+        import json
+
+        from hp_lazy.plan.parse import canonical_json
+
+        data = self.to_dict()
+        return canonical_json(data) if indent is None else json.dumps(data, sort_keys=True, indent=indent)
+
+    @cached_property
+    def hash(self) -> str:
+        """Hex sha256 of the canonical JSON of the normalised plan."""
+        from hp_lazy.plan.parse import sha256_json
+
+        return sha256_json(self.to_dict())
+
+    def targets(self, module_name: str) -> bool:
+        """Whether importing ``module_name`` is lowered: a name check against ``modules``, no I/O."""
+        return any(module_name == m or fnmatchcase(module_name, m) for m in self.modules)
+
+    def slice(self, module_name: str, source: str) -> "ModulePlan | None":
+        """The part of the plan that applies to one module's source; None if it targets nothing there."""
+        from hp_lazy.plan.slice import slice_plan
+
+        return slice_plan(self, module_name, source)
+
+
+def _auto_plan(tp: int = 2, sequence_parallel: bool = False, loss_parallel: bool = False) -> Plan:
+    """``Plan.auto(tp=2)``: contracts derived from transformers' own ``base_model_tp_plan`` (and the
+    model classes' ``_tp_plan``) when each ``transformers.models.<x>.modeling_<x>`` is imported."""
+    from hp_lazy.plan.parse import plan_from_dict
+
+    flags = {"tp": tp, "sequence_parallel": sequence_parallel, "loss_parallel": loss_parallel}
+    return plan_from_dict({"version": 1, "mesh": {"tp": tp}, "auto": flags})
+
+
+class _AutoAttribute:
+    """``Plan.auto(...)`` on the class is the factory; ``plan.auto`` on an instance is the field
+    (the instance's ``__dict__`` entry wins over this non-data descriptor)."""
+
+    def __get__(self, obj: object, owner: type) -> Any:
+        return _auto_plan if obj is None else obj.__dict__["auto"]
+
+
+Plan.auto = _AutoAttribute()  # type: ignore[assignment,misc]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,3 +163,22 @@ class ModulePlan:
     injections: tuple[Mapping[str, object], ...] = ()
     toggle: bool = False
     hash: str = ""
+
+    def contract(self, pattern: str) -> Contract:
+        """The contract for ``pattern`` (KeyError if the slice has none)."""
+        for contract in self.contracts:
+            if contract.pattern == pattern:
+                return contract
+        raise KeyError(pattern)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Everything the slice holds except its hashes, as JSON data (what ``hash`` is taken over)."""
+        return {
+            "module": self.module,
+            "mesh": dict(self.mesh),
+            "contracts": {c.pattern: c.to_dict() for c in self.contracts},
+            "classes": dict(self.classes),
+            "roots": list(self.roots),
+            "injections": [dict(rule) for rule in self.injections],
+            "toggle": self.toggle,
+        }

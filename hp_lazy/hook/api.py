@@ -1,0 +1,270 @@
+"""``activate(plan)`` / ``deactivate()``: put the finder on ``sys.meta_path`` and take it off.
+
+Switches: ``HP_LAZY=0`` makes ``activate`` a no-op (stock imports, bit for bit);
+``HP_LAZY_STRICT=1`` turns the already-imported warning into a ``PlanError``;
+``HP_LAZY_DEBUG=1`` logs one line per lowered module (hit/miss, ms, key) to stderr;
+``HP_LAZY_CACHE`` / ``HP_LAZY_CACHE_DIR``: see :mod:`hp_lazy.hook.cache`.
+
+Modules imported before ``activate`` stay as they are; deactivating leaves lowered modules lowered
+and only restores how *later* imports behave.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import threading
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType, TracebackType
+from typing import Any, Callable, Mapping, Optional, Union
+
+from hp_lazy.errors import PlanError
+from hp_lazy.hook.cache import Cache
+from hp_lazy.hook.finder import (
+    DYNAMIC_MODULE_UTILS,
+    HpLazyFinder,
+    NameMatcher,
+    install_remote_code_view,
+    remove_remote_code_view,
+)
+from hp_lazy.hook.loader import (
+    BindFn,
+    HookState,
+    LowerFn,
+    default_bind,
+    default_lower,
+    default_runtime,
+)
+from hp_lazy.plan import Plan
+
+logger = logging.getLogger("hp_lazy.hook")
+
+PlanSpec = Union[Plan, Mapping[str, Any], str, "os.PathLike[str]"]
+_FIX = (
+    "call hp_lazy.activate(...) before importing transformers models (first thing in the script, "
+    "in every rank), or start a fresh process"
+)
+
+
+class AlreadyImportedWarning(UserWarning):
+    """A module the plan targets was imported before ``activate`` and will not be lowered."""
+
+
+@dataclass
+class Handle:
+    """The result of :func:`activate`; a context manager whose exit deactivates."""
+
+    plan: Optional[Plan]
+    finder: Optional[HpLazyFinder] = field(default=None, repr=False)
+
+    @property
+    def active(self) -> bool:
+        return self.finder is not None and self.finder in sys.meta_path
+
+    def deactivate(self) -> None:
+        if self.finder is not None:
+            _remove(self.finder)
+
+    def __enter__(self) -> Handle:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.deactivate()
+
+
+_LOCK = threading.Lock()
+_ACTIVE: Optional[HpLazyFinder] = None
+
+
+def activate(
+    plan: PlanSpec,
+    *,
+    tp: Optional[int] = None,
+    sequence_parallel: bool = False,
+    cache_dir: Union[str, "os.PathLike[str]", None] = None,
+) -> Handle:
+    """Lower the modules ``plan`` names when they are imported from now on.
+
+    ``plan``: a Plan, a dict, a path to a ``.json`` plan, or ``"auto"`` (transformers' own
+    ``base_model_tp_plan``; needs ``tp``). ``tp`` with an explicit plan overrides its mesh tp.
+    Activating again replaces the active plan.
+    """
+    if os.environ.get("HP_LAZY", "1").strip() == "0":
+        logger.debug("hp_lazy: HP_LAZY=0, activate() does nothing")
+        return Handle(plan=None)
+    resolved = load_plan(plan, tp=tp, sequence_parallel=sequence_parallel)
+    return install(resolved, cache=Cache(cache_dir))
+
+
+def deactivate() -> None:
+    """Remove the active finder (if any); later imports are plain again."""
+    with _LOCK:
+        finder = _ACTIVE
+    if finder is not None:
+        _remove(finder)
+
+
+def active_plan() -> Optional[Plan]:
+    finder = _ACTIVE
+    return finder.state.plan if finder is not None else None  # type: ignore[return-value]
+
+
+def install(
+    plan: Any,
+    *,
+    cache: Cache,
+    lower: Optional[LowerFn] = None,
+    bind: Optional[BindFn] = None,
+    runtime: Optional[Callable[[], Any]] = None,
+) -> Handle:
+    """Put a finder for ``plan`` (already resolved) at ``sys.meta_path[0]``.
+
+    ``lower``/``bind``/``runtime`` default to hp_lazy.lower.lower, hp_lazy.runtime.registry.register
+    and hp_lazy.runtime.rt; tests inject stand-ins to exercise the hook and cache on their own.
+    """
+    global _ACTIVE
+    _maybe_debug_logging()
+    state = HookState(
+        plan=plan,
+        cache=cache,
+        lower=lower or default_lower(),
+        bind=bind or default_bind,
+        runtime=runtime or default_runtime,
+    )
+    matcher = NameMatcher(plan.modules)
+    _check_already_imported(plan, matcher)
+    finder = HpLazyFinder(state, matcher)
+    with _LOCK:
+        if _ACTIVE is not None:
+            _detach(_ACTIVE)
+        sys.meta_path.insert(0, finder)
+        _ACTIVE = finder
+    dmu = sys.modules.get(DYNAMIC_MODULE_UTILS)
+    if dmu is not None:
+        install_remote_code_view(dmu, finder)
+    return Handle(plan=plan, finder=finder)
+
+
+def _remove(finder: HpLazyFinder) -> None:
+    global _ACTIVE
+    with _LOCK:
+        _detach(finder)
+        if _ACTIVE is finder:
+            _ACTIVE = None
+
+
+def _detach(finder: HpLazyFinder) -> None:
+    while finder in sys.meta_path:
+        sys.meta_path.remove(finder)
+    remove_remote_code_view(finder)
+
+
+# -- plans ---------------------------------------------------------------------------------------
+def load_plan(plan: PlanSpec, *, tp: Optional[int] = None, sequence_parallel: bool = False) -> Plan:
+    """A Plan from any accepted form (shared by ``activate`` and the CLI)."""
+    if isinstance(plan, str) and plan == "auto":
+        if tp is None:
+            raise PlanError(
+                "activate('auto'): tp is not given; the auto plan needs the tensor-parallel "
+                "degree; pass tp=N, e.g. hp_lazy.activate('auto', tp=2)"
+            )
+        return Plan.auto(tp=tp, sequence_parallel=sequence_parallel)
+    if sequence_parallel:
+        raise PlanError(
+            f"activate({_short(plan)}): sequence_parallel=True applies to the 'auto' plan only; "
+            "an explicit plan states its sequence-parallel placements itself; drop the argument"
+        )
+    if isinstance(plan, Plan):
+        return plan if tp is None else _with_tp(plan, tp)
+    if isinstance(plan, (str, os.PathLike)):
+        plan = _read_json(Path(plan))
+    if isinstance(plan, Mapping):
+        data = dict(plan)
+        if tp is not None:
+            data["mesh"] = {**dict(data.get("mesh") or {}), "tp": tp}
+        return Plan.from_dict(data)
+    raise PlanError(
+        f"activate({_short(plan)}): a plan of type {type(plan).__name__} is not accepted; "
+        "pass a Plan, a dict, a path to a .json plan, or 'auto'"
+    )
+
+
+def _with_tp(plan: Plan, tp: int) -> Plan:
+    """``plan`` with mesh tp (and, for an auto plan, its tp flag) set to ``tp``."""
+    if dict(plan.mesh).get("tp") == tp:
+        return plan
+    data = plan.to_dict()
+    data["mesh"] = {**data.get("mesh", {}), "tp": tp}
+    if data.get("auto") is not None:
+        data["auto"] = {**data["auto"], "tp": tp}
+    return Plan.from_dict(data)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise PlanError(
+            f"plan {str(path)!r}: cannot be read ({exc.strerror or exc}); pass an existing .json "
+            "plan file, a dict, a Plan, or 'auto'"
+        ) from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise PlanError(
+            f"plan {str(path)!r}: invalid JSON at line {exc.lineno} column {exc.colno} "
+            f"({exc.msg}); fix the file"
+        ) from None
+    if not isinstance(data, dict):
+        raise PlanError(f"plan {str(path)!r}: top level is a {type(data).__name__}; it must be an object")
+    return data
+
+
+def _short(plan: Any) -> str:
+    text = repr(plan)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+# -- already-imported targets ------------------------------------------------------------------
+def _check_already_imported(plan: Any, matcher: NameMatcher) -> None:
+    names = sorted(n for n in list(sys.modules) if matcher(n) and _declares_plan(plan, sys.modules[n]))
+    if not names:
+        return
+    message = (
+        f"hp_lazy: {', '.join(names)} imported before hp_lazy.activate(); "
+        f"{'it' if len(names) == 1 else 'they'} will not be lowered; {_FIX}"
+    )
+    if os.environ.get("HP_LAZY_STRICT", "0").strip() not in ("", "0"):
+        raise PlanError(message)
+    warnings.warn(message, AlreadyImportedWarning, stacklevel=3)
+
+
+def _declares_plan(plan: Any, module: Optional[ModuleType]) -> bool:
+    """Exact targets always count; a glob match of an auto plan only if its config has a TP plan."""
+    if module is None:
+        return False
+    info = getattr(module, "__hp_lazy__", None)
+    if info is not None and getattr(info, "plan_hash", None) == plan.hash:
+        return False
+    if getattr(plan, "auto", None) is None or module.__name__ in plan.modules:
+        return True
+    for value in list(vars(module).values()):
+        if isinstance(value, type) and getattr(value, "base_model_tp_plan", None):
+            return True
+    return False
+
+
+def _maybe_debug_logging() -> None:
+    if os.environ.get("HP_LAZY_DEBUG", "0").strip() in ("", "0"):
+        return
+    if not any(getattr(h, "_hp_lazy", False) for h in logger.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler._hp_lazy = True  # type: ignore[attr-defined]
+        logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)

@@ -1,0 +1,173 @@
+"""The finder: decides by module *name* alone whether an import is hp_lazy's business.
+
+Every import in the process passes through ``find_spec``; a non-target costs one frozenset lookup
+and (for glob plans) one compiled-regex match: no I/O, no imports. For a target, the remaining
+finders on ``sys.meta_path`` produce the spec (so editable installs and other finders keep
+working); only a plain ``SourceFileLoader`` spec over a real ``.py`` file is adopted, by swapping
+its loader for :class:`~hp_lazy.hook.loader.HpLazyLoader` (origin, cached, search locations kept).
+
+``trust_remote_code`` modules are not imported through ``sys.meta_path``: transformers'
+``dynamic_module_utils.get_class_in_module`` builds a spec with
+``importlib.util.spec_from_file_location`` and calls ``spec.loader.exec_module`` itself. While
+active, that module's global ``importlib`` name is replaced by a view whose
+``util.spec_from_file_location`` hands the spec to :meth:`HpLazyFinder.adopt` (the real
+``importlib`` is untouched, so no other import is affected). The view is installed at activation
+if transformers.dynamic_module_utils is imported, else right after it is.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import importlib
+import importlib.util
+import re
+import sys
+import threading
+import warnings
+from importlib.machinery import ModuleSpec, SourceFileLoader
+from types import ModuleType
+from typing import Any, Iterable, Optional, Sequence
+
+from hp_lazy.hook.loader import HookState, HpLazyLoader
+
+DYNAMIC_MODULE_UTILS = "transformers.dynamic_module_utils"
+_GLOB_CHARS = frozenset("*?[")
+
+
+class ForeignLoaderWarning(UserWarning):
+    """A planned module is loaded by another tool's loader, so hp_lazy cannot lower it."""
+
+
+class NameMatcher:
+    """Exact names in a frozenset, globs (fnmatch syntax, ``*`` crosses dots) in one regex."""
+
+    def __init__(self, patterns: Iterable[str]) -> None:
+        patterns = tuple(patterns)
+        self.exact = frozenset(p for p in patterns if not _GLOB_CHARS & set(p))
+        globs = [p for p in patterns if _GLOB_CHARS & set(p)]
+        self.globs = tuple(globs)
+        self._regex = re.compile("|".join(fnmatch.translate(g) for g in globs)) if globs else None
+
+    def __call__(self, name: str) -> bool:
+        if name in self.exact:
+            return True
+        return self._regex is not None and self._regex.match(name) is not None
+
+
+class HpLazyFinder:
+    """A ``sys.meta_path`` finder for the modules of one activated plan."""
+
+    def __init__(self, state: HookState, matcher: NameMatcher) -> None:
+        self.state = state
+        self.matches = matcher
+        self._busy = threading.local()
+
+    def find_spec(
+        self, fullname: str, path: Optional[Sequence[str]], target: Optional[ModuleType] = None
+    ) -> Optional[ModuleSpec]:
+        if fullname == DYNAMIC_MODULE_UTILS:
+            return self._watch_dynamic_module_utils(fullname, path, target)
+        if not self.matches(fullname) or getattr(self._busy, "on", False):
+            return None
+        return self.adopt(self._delegate(fullname, path, target))
+
+    def adopt(self, spec: Optional[ModuleSpec]) -> Optional[ModuleSpec]:
+        """Swap the loader of a planned source module's spec for hp_lazy's; else leave it."""
+        if spec is None or not self.matches(spec.name):
+            return spec
+        loader = spec.loader
+        if type(loader) is SourceFileLoader and not loader.path.endswith(".py"):
+            return spec
+        if type(loader) is not SourceFileLoader:
+            if isinstance(loader, SourceFileLoader) and not isinstance(loader, HpLazyLoader):
+                warnings.warn(
+                    f"hp_lazy: {spec.name} is loaded by {type(loader).__qualname__}, another "
+                    "tool's loader, so hp_lazy does not lower it; activate that tool for other "
+                    "packages only, or deactivate it",
+                    ForeignLoaderWarning,
+                    stacklevel=2,
+                )
+            return spec
+        spec.loader = HpLazyLoader(spec.name, loader.path, self.state)
+        return spec
+
+    def _delegate(
+        self, fullname: str, path: Optional[Sequence[str]], target: Optional[ModuleType]
+    ) -> Optional[ModuleSpec]:
+        self._busy.on = True
+        try:
+            for finder in _after(self):
+                find_spec = getattr(finder, "find_spec", None)
+                if find_spec is None:
+                    continue
+                spec = find_spec(fullname, path, target)
+                if spec is not None:
+                    return spec
+            return None
+        finally:
+            self._busy.on = False
+
+    def _watch_dynamic_module_utils(
+        self, fullname: str, path: Optional[Sequence[str]], target: Optional[ModuleType]
+    ) -> Optional[ModuleSpec]:
+        if getattr(self._busy, "on", False):
+            return None
+        spec = self._delegate(fullname, path, target)
+        if spec is not None and type(spec.loader) is SourceFileLoader:
+            spec.loader = _PatchAfterExec(spec.name, spec.loader.path, self)
+        return spec
+
+
+def _after(finder: HpLazyFinder) -> list[Any]:
+    """The meta_path finders after ``finder`` (PathFinder if it is not on the path any more)."""
+    meta_path = list(sys.meta_path)
+    rest = meta_path[meta_path.index(finder) + 1 :] if finder in meta_path else []
+    rest = [f for f in rest if not isinstance(f, HpLazyFinder)]
+    return rest or [importlib.machinery.PathFinder]
+
+
+class _PatchAfterExec(SourceFileLoader):
+    """Stock loader for transformers.dynamic_module_utils that installs the view once executed."""
+
+    def __init__(self, fullname: str, path: str, finder: HpLazyFinder) -> None:
+        super().__init__(fullname, path)
+        self._finder = finder
+
+    def exec_module(self, module: ModuleType) -> None:
+        super().exec_module(module)
+        if self._finder in sys.meta_path:
+            install_remote_code_view(module, self._finder)
+
+
+class _UtilView:
+    def __init__(self, finder: HpLazyFinder) -> None:
+        self._finder = finder
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(importlib.util, name)
+
+    def spec_from_file_location(self, *args: Any, **kwargs: Any) -> Optional[ModuleSpec]:
+        return self._finder.adopt(importlib.util.spec_from_file_location(*args, **kwargs))
+
+
+class ImportlibView:
+    """Stands in for ``importlib`` inside transformers.dynamic_module_utils only."""
+
+    def __init__(self, finder: HpLazyFinder) -> None:
+        self.util = _UtilView(finder)
+        self.finder = finder
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(importlib, name)
+
+
+def install_remote_code_view(dmu: ModuleType, finder: HpLazyFinder) -> None:
+    if getattr(dmu, "importlib", None) is importlib or isinstance(dmu.__dict__.get("importlib"), ImportlibView):
+        dmu.importlib = ImportlibView(finder)  # type: ignore[attr-defined]
+
+
+def remove_remote_code_view(finder: HpLazyFinder) -> None:
+    dmu = sys.modules.get(DYNAMIC_MODULE_UTILS)
+    view = getattr(dmu, "importlib", None) if dmu is not None else None
+    if isinstance(view, ImportlibView) and view.finder is finder:
+        dmu.importlib = importlib  # type: ignore[union-attr]

@@ -1,0 +1,231 @@
+"""Which form a boundary takes, and which op each transition lowers to.
+
+One pure classifier, :func:`classify`, shared by the emitter, the runtime binder and
+``hp_lazy check``. Forms (DESIGN.md section 3):
+
+- ``identity``: no transition changes a placement, no deferred bias, no injection: not rewritten;
+- ``tp_collective``: every op is written inline; needs the structural gates below;
+- ``toggle``: ``tp_collective`` with every op guarded per axis (``ModulePlan.toggle``);
+- ``generic``: the runtime applies the same ops by name and position;
+- ``region``: an injection's ``local_compute_fn`` replaces the body.
+
+Structural gates of the inline forms: no ``*args``; every ``return`` has a value; every input
+with an op is a named forward parameter; every output op targets output 0 or a tuple position
+that every ``return`` has.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal, Mapping
+
+from hp_lazy.errors import PlanError
+from hp_lazy.lower.facts import ForwardFacts
+from hp_lazy.plan.model import Contract
+from hp_lazy.plan.placement import AXES, Placement
+
+Form = Literal["identity", "tp_collective", "generic", "region", "toggle"]
+_OUTPUT_KEY = re.compile(r"^output(?:\.(\d+))?$")
+
+
+@dataclass(frozen=True, slots=True)
+class Op:
+    """A runtime collective: ``__hp_rt__.<call>(x, group, *dims)``."""
+
+    call: str
+    dims: tuple[int, ...] = ()
+
+    def __str__(self) -> str:
+        return f"{self.call}({', '.join(map(str, self.dims))})" if self.dims else self.call
+
+
+@dataclass(frozen=True, slots=True)
+class BoundOp:
+    """``op`` applied to one input (``name`` = parameter) or output (``name`` = ``output[.i]``,
+    ``position`` = tuple index) on one mesh axis."""
+
+    name: str
+    axis: str
+    src: Placement
+    dst: Placement
+    op: Op
+    position: int | None = None
+    into_sharded: bool = False
+
+    def describe(self) -> str:
+        into = " into sharded params" if self.into_sharded else ""
+        return f"{self.name}: {self.axis} {self.src} -> {self.dst}{into} ==> {self.op}"
+
+
+@dataclass(frozen=True, slots=True)
+class FormDecision:
+    form: Form
+    reasons: tuple[str, ...]
+    in_ops: tuple[BoundOp, ...]
+    out_ops: tuple[BoundOp, ...]
+
+
+def transition_op(src: Placement, dst: Placement, *, entering_sharded: bool, where: str = "transition") -> Op | None:
+    """The op that takes a tensor from ``src`` to ``dst`` on one axis (docs/contract.md tables);
+    ``None`` when nothing is to be done. ``entering_sharded``: this is a boundary entry and the
+    boundary has a parameter sharded on the axis (its backward yields a partial gradient)."""
+    for p in (src, dst):
+        if p.kind == "SS":
+            raise PlanError(f"{where}: packed shard {p} is for parameters only; use 'S(d)' for activations")
+    if not entering_sharded:
+        op = _exit_op(src, dst)
+    elif src.is_partial or dst.is_partial:
+        op = _UNSUPPORTED  # the backward would hand a partial gradient to a reduction's identity
+    else:
+        op = _entry_op(src, dst)
+    if op is _UNSUPPORTED:
+        into = " into sharded params" if entering_sharded else ""
+        raise PlanError(
+            f"{where}: {src} -> {dst}{into} has no collective; supported: R->R, S(d)->R, R->S(d), "
+            "S(a)->S(b), P(sum)->R, P(sum)->S(d) (P(sum) inputs only into a boundary with no param sharded on the axis)"
+        )
+    return op
+
+
+_UNSUPPORTED = Op("<unsupported>")
+
+
+def _entry_op(src: Placement, dst: Placement) -> Op | None:
+    if src.is_replicate and dst.is_replicate:
+        return Op("copy_to")
+    if src.is_shard and dst.is_replicate:
+        return Op("gather_to", (src.dim,))  # type: ignore[arg-type]
+    if src.is_replicate:
+        return Op("scatter_to", (dst.dim,))  # type: ignore[arg-type]
+    return None if src.dim == dst.dim else Op("all_to_all", (src.dim, dst.dim))  # type: ignore[arg-type]
+
+
+def _exit_op(src: Placement, dst: Placement) -> Op | None:
+    if src == dst:
+        return None
+    if src.is_partial and dst.is_replicate:
+        return Op("reduce_from")
+    if src.is_partial and dst.is_shard:
+        return Op("reduce_scatter_to", (dst.dim,))  # type: ignore[arg-type]
+    if src.is_shard and dst.is_replicate:
+        return Op("gather_from", (src.dim,))  # type: ignore[arg-type]
+    if src.is_replicate and dst.is_shard:
+        return Op("scatter_to", (dst.dim,))  # type: ignore[arg-type]
+    if src.is_shard and dst.is_shard:
+        return Op("all_to_all", (src.dim, dst.dim))  # type: ignore[arg-type]
+    return _UNSUPPORTED
+
+
+def active_axes(mesh: Mapping[str, int]) -> tuple[str, ...]:
+    """Axes in mesh order whose degree is not 1 (an absent degree is decided at run time)."""
+    return tuple(a for a in AXES if mesh.get(a, 0) != 1)
+
+
+def sharded_axes(contract: Contract) -> frozenset[str]:
+    return frozenset(a for spec in contract.params.values() for a, p in spec.items() if p.is_shard)
+
+
+def output_position(pattern: str, key: str) -> int:
+    """``"output"`` -> 0, ``"output.<i>"`` -> ``i``."""
+    m = _OUTPUT_KEY.match(key)
+    if m is None:
+        raise PlanError(f"{pattern}: output key {key!r} is not 'output' or 'output.<i>'; rename it (e.g. 'output.1')")
+    return int(m.group(1) or 0)
+
+
+def _in_ops(contract: Contract, facts: ForwardFacts, axes: tuple[str, ...]) -> tuple[BoundOp, ...]:
+    sharded = sharded_axes(contract)
+    order = {n: i for i, n in enumerate(facts.param_names)}
+    names = sorted({*contract.in_src, *contract.in_dst}, key=lambda n: (order.get(n, len(order)), n))
+    ops = []
+    for name in names:
+        for axis in axes:
+            src, dst = contract.placement("in_src", name, axis), contract.placement("in_dst", name, axis)
+            where = f"{contract.pattern}: input {name!r} on {axis}"
+            op = transition_op(src, dst, entering_sharded=axis in sharded, where=where)
+            if op is not None:
+                ops.append(BoundOp(name, axis, src, dst, op, None, axis in sharded))
+    return tuple(ops)
+
+
+def _out_ops(contract: Contract, axes: tuple[str, ...]) -> tuple[BoundOp, ...]:
+    keys = sorted({*contract.out_src, *contract.out_dst}, key=lambda k: (output_position(contract.pattern, k), k))
+    seen: dict[int, str] = {}
+    ops = []
+    for key in keys:
+        pos = output_position(contract.pattern, key)
+        if pos in seen:
+            raise PlanError(f"{contract.pattern}: outputs {seen[pos]!r} and {key!r} both name position {pos}; keep one")
+        seen[pos] = key
+        for axis in reversed(axes):  # exit undoes entry: innermost axis first
+            src, dst = contract.placement("out_src", key, axis), contract.placement("out_dst", key, axis)
+            op = transition_op(src, dst, entering_sharded=False, where=f"{contract.pattern}: output {key!r} on {axis}")
+            if op is not None:
+                ops.append(BoundOp(key, axis, src, dst, op, pos))
+    return tuple(ops)
+
+
+def _check_inputs(contract: Contract, facts: ForwardFacts, in_ops: tuple[BoundOp, ...]) -> None:
+    for name in sorted({o.name for o in in_ops}):
+        if name not in facts.param_names and facts.kwarg is None:
+            raise PlanError(
+                f"{contract.pattern}: input {name!r} is not a parameter of {facts.owner}.forward"
+                f"({', '.join(facts.param_names)}); name one of those parameters in the plan"
+            )
+
+
+def _gate_failures(facts: ForwardFacts, in_ops: tuple[BoundOp, ...], out_ops: tuple[BoundOp, ...]) -> list[str]:
+    fails = []
+    if facts.vararg is not None:
+        fails.append(f"forward takes *{facts.vararg}")
+    if not facts.every_return_has_value():
+        lines = sorted({r.lineno for r in facts.returns if r.kind == "bare"})
+        fails.append(f"forward can return without a value (line {', '.join(map(str, lines)) or facts.lineno})")
+    unbound = sorted({o.name for o in in_ops if o.name not in facts.param_names})
+    if unbound:
+        fails.append(f"inputs {unbound} are not named forward parameters")
+    layout, arity = facts.output_layout()
+    for pos in sorted({o.position for o in out_ops if o.position}):
+        if layout != "tuple" or pos >= arity:
+            fails.append(f"output position {pos} is not in every return (returns: {_describe_returns(facts)})")
+    if out_ops and layout == "unknown":
+        fails.append(f"the output layout is not fixed by the returns ({_describe_returns(facts)})")
+    return fails
+
+
+def _describe_returns(facts: ForwardFacts) -> str:
+    kinds = sorted({r.kind if r.kind != "tuple" else f"tuple of {r.arity}" for r in facts.returns})
+    return ", ".join(kinds) or "none"
+
+
+def classify(
+    contract: Contract,
+    facts: ForwardFacts,
+    mesh: Mapping[str, int],
+    *,
+    injection: Mapping[str, object] | None = None,
+    toggle: bool = False,
+) -> FormDecision:
+    """Decide the form of one boundary whose forward is described by ``facts``."""
+    axes = active_axes(mesh)
+    in_ops, out_ops = _in_ops(contract, facts, axes), _out_ops(contract, axes)
+    _check_inputs(contract, facts, in_ops)
+    injection = injection or {}
+    if injection.get("local_compute_fn"):
+        reason = f"injection local_compute_fn={injection['local_compute_fn']!r}"
+        return FormDecision("region", (reason,), in_ops, out_ops)
+    if contract.deferred_bias_params and not any(o.op.call in ("reduce_from", "reduce_scatter_to") for o in out_ops):
+        raise PlanError(
+            f"{contract.pattern}: deferred_bias_params {list(contract.deferred_bias_params)} need a P(sum) output "
+            "reduced at exit; declare out_src 'P(sum)' for 'output' or drop deferred_bias_params"
+        )
+    if injection.get("inner_wrapper"):
+        return FormDecision("generic", (f"injection inner_wrapper={injection['inner_wrapper']!r}",), in_ops, out_ops)
+    if not in_ops and not out_ops:
+        return FormDecision("identity", ("no transition changes a placement",), in_ops, out_ops)
+    fails = _gate_failures(facts, in_ops, out_ops)
+    if fails:
+        return FormDecision("generic", tuple(fails), in_ops, out_ops)
+    form: Form = "toggle" if toggle else "tp_collective"
+    return FormDecision(form, ("every transition lowers to a known op and the structural gates pass",), in_ops, out_ops)

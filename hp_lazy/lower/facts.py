@@ -1,0 +1,317 @@
+"""Read-only analysis of a modeling source, run before any rewrite.
+
+:func:`forward_facts` reads one ``forward`` definition (its parameters, decorators and the shape
+of every ``return``); :func:`module_facts` reads the module (docstring, ``from __future__``
+imports, top-level classes and where each one's ``forward`` comes from). Neither mutates the tree.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from typing import Iterator, Literal
+
+from hp_lazy.errors import LoweringError
+
+ParamKind = Literal["positional_only", "positional", "keyword_only"]
+ReturnKind = Literal["tuple", "value", "bare", "starred", "list"]
+RESERVED_PREFIXES: tuple[str, ...] = ("_hp_", "__hp_")
+IMPL_NAME = "_forward_impl"
+
+
+@dataclass(frozen=True, slots=True)
+class Param:
+    name: str
+    kind: ParamKind
+    has_default: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ReturnShape:
+    """One ``return`` statement: ``tuple`` of ``arity`` elements, one ``value``, a ``bare``
+    return (also used for falling off the end), a tuple with a ``starred`` element, or a ``list``."""
+
+    kind: ReturnKind
+    arity: int
+    lineno: int
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardFacts:
+    """What the classifier and the emitter need to know about one ``forward``."""
+
+    owner: str
+    self_name: str
+    params: tuple[Param, ...]
+    """Named parameters after ``self``, in signature order (``*args``/``**kwargs`` excluded)."""
+    vararg: str | None
+    kwarg: str | None
+    decorators: tuple[str, ...]
+    returns: tuple[ReturnShape, ...]
+    has_docstring: bool
+    is_async: bool
+    is_generator: bool
+    lineno: int
+
+    @property
+    def param_names(self) -> tuple[str, ...]:
+        return tuple(p.name for p in self.params)
+
+    def output_layout(self) -> tuple[Literal["single", "tuple", "unknown"], int]:
+        """``("single", 1)``: every return is one value; ``("tuple", n)``: every return is a tuple
+        literal of at least ``n`` elements; ``("unknown", 0)`` otherwise."""
+        kinds = {r.kind for r in self.returns}
+        if kinds == {"value"}:
+            return "single", 1
+        if kinds == {"tuple"}:
+            return "tuple", min(r.arity for r in self.returns)
+        return "unknown", 0
+
+    def every_return_has_value(self) -> bool:
+        return bool(self.returns) and all(r.kind != "bare" for r in self.returns)
+
+
+class _ReturnVisitor(ast.NodeVisitor):
+    """Collects returns and yields of one function body; nested scopes are not entered."""
+
+    def __init__(self) -> None:
+        self.returns: list[ReturnShape] = []
+        self.generator = False
+
+    def visit_FunctionDef(self, node: ast.FunctionDef) -> None:  # nested scope: skip
+        return None
+
+    visit_AsyncFunctionDef = visit_FunctionDef  # type: ignore[assignment]
+    visit_Lambda = visit_FunctionDef  # type: ignore[assignment]
+    visit_ClassDef = visit_FunctionDef  # type: ignore[assignment]
+
+    def visit_Yield(self, node: ast.Yield) -> None:
+        self.generator = True
+
+    visit_YieldFrom = visit_Yield  # type: ignore[assignment]
+
+    def visit_Return(self, node: ast.Return) -> None:
+        self.returns.append(_shape(node.value, node.lineno))
+        if node.value is not None:
+            self.visit(node.value)
+
+
+def _shape(value: ast.expr | None, lineno: int) -> ReturnShape:
+    if value is None:
+        return ReturnShape("bare", 0, lineno)
+    if isinstance(value, ast.Tuple):
+        starred = any(isinstance(e, ast.Starred) for e in value.elts)
+        return ReturnShape("starred" if starred else "tuple", len(value.elts), lineno)
+    if isinstance(value, ast.List):
+        return ReturnShape("list", len(value.elts), lineno)
+    return ReturnShape("value", 1, lineno)
+
+
+def _terminates(body: list[ast.stmt]) -> bool:
+    """True when control cannot fall off the end of ``body`` (conservative)."""
+    if not body:
+        return False
+    last = body[-1]
+    if isinstance(last, (ast.Return, ast.Raise)):
+        return True
+    if isinstance(last, ast.If):
+        return _terminates(last.body) and _terminates(last.orelse)
+    if isinstance(last, (ast.With, ast.AsyncWith)):
+        return _terminates(last.body)
+    return False
+
+
+def _params(args: ast.arguments) -> tuple[str, tuple[Param, ...]]:
+    positional = [*args.posonlyargs, *args.args]
+    if not positional:
+        raise LoweringError("forward has no 'self' parameter; a boundary forward must be a method")
+    n_defaults = len(args.defaults)
+    first_default = len(positional) - n_defaults
+    params = [
+        Param(a.arg, "positional_only" if i < len(args.posonlyargs) else "positional", i >= first_default)
+        for i, a in enumerate(positional)
+    ]
+    params += [Param(a.arg, "keyword_only", d is not None) for a, d in zip(args.kwonlyargs, args.kw_defaults)]
+    return params[0].name, tuple(params[1:])
+
+
+def forward_facts(node: ast.FunctionDef | ast.AsyncFunctionDef, owner: str = "") -> ForwardFacts:
+    """Facts of one ``forward`` definition (``owner``: the class name, for error messages)."""
+    visitor = _ReturnVisitor()
+    for stmt in node.body:
+        visitor.visit(stmt)
+    returns = list(visitor.returns)
+    if not _terminates(node.body):
+        returns.append(ReturnShape("bare", 0, getattr(node, "end_lineno", node.lineno) or node.lineno))
+    self_name, params = _params(node.args)
+    return ForwardFacts(
+        owner=owner,
+        self_name=self_name,
+        params=params,
+        vararg=node.args.vararg.arg if node.args.vararg else None,
+        kwarg=node.args.kwarg.arg if node.args.kwarg else None,
+        decorators=tuple(ast.unparse(d) for d in node.decorator_list),
+        returns=tuple(returns),
+        has_docstring=ast.get_docstring(node, clean=False) is not None,
+        is_async=isinstance(node, ast.AsyncFunctionDef),
+        is_generator=visitor.generator,
+        lineno=node.lineno,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class ClassFacts:
+    """A top-level class. ``forward_owner`` is the class of this module whose ``forward`` the
+    class runs (itself, or a same-module base found before any other-module base in the MRO);
+    ``None`` when the forward comes from another module. ``copy_blocker`` says why a base's
+    forward cannot be copied into this class (zero-argument ``super()``, private names)."""
+
+    name: str
+    index: int
+    lineno: int
+    bases: tuple[str, ...]
+    defines_forward: bool
+    defines_impl: bool
+    forward_owner: str | None
+    copy_blocker: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class ModuleFacts:
+    module: str
+    docstring: str | None
+    future_imports: tuple[str, ...]
+    insert_at: int
+    """Index in the module body after the docstring and ``from __future__`` imports."""
+    classes: tuple[ClassFacts, ...]
+
+    def cls(self, name: str) -> ClassFacts | None:
+        return next((c for c in self.classes if c.name == name), None)
+
+
+def find_forward(cls: ast.ClassDef) -> ast.FunctionDef | ast.AsyncFunctionDef | None:
+    """The last ``forward`` defined directly in the class body (the one Python keeps)."""
+    found = None
+    for stmt in cls.body:
+        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)) and stmt.name == "forward":
+            found = stmt
+    return found
+
+
+def _defines(cls: ast.ClassDef, name: str) -> bool:
+    for stmt in cls.body:
+        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)) and stmt.name == name:
+            return True
+        if isinstance(stmt, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in stmt.targets):
+            return True
+    return False
+
+
+def _c3(name: str, bases: dict[str, tuple[str, ...]], local: dict[str, tuple[str, ...]]) -> list[str]:
+    """C3 linearisation; classes of other modules are opaque (their own bases unknown)."""
+    if name not in bases:
+        return [name]
+    own = [b if b in local[name] else f"<other>.{b}" for b in bases[name]]
+    seqs = [_c3(b, bases, local) for b in own] + [own]
+    out = [name]
+    while any(seqs):
+        seqs = [s for s in seqs if s]
+        head = next((s[0] for s in seqs if all(s[0] not in t[1:] for t in seqs)), None)
+        if head is None:
+            return [name]  # inconsistent MRO: Python would refuse the class anyway
+        out.append(head)
+        seqs = [s[1:] if s[0] == head else s for s in seqs]
+    return out
+
+
+def _copy_blocker(fn: ast.AST) -> str | None:
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Name) and node.id in ("super", "__class__"):
+            return f"it uses {node.id!r} (line {node.lineno})"
+        name = node.attr if isinstance(node, ast.Attribute) else None
+        if name and name.startswith("__") and not name.endswith("__"):
+            return f"it uses the private name {name!r} (line {node.lineno})"
+    return None
+
+
+def _class_facts(tree: ast.Module) -> tuple[ClassFacts, ...]:
+    nodes = {s.name: (i, s) for i, s in enumerate(tree.body) if isinstance(s, ast.ClassDef)}
+    bases = {n: tuple(ast.unparse(b) for b in c.bases) for n, (_, c) in nodes.items()}
+    # a base is of this module only when a class of that name is defined above the subclass
+    local = {n: tuple(b for b in bs if b in nodes and nodes[b][0] < nodes[n][0]) for n, bs in bases.items()}
+    out = []
+    for name, (index, node) in nodes.items():
+        owner = None
+        for klass in _c3(name, bases, local):
+            if klass not in nodes:
+                break
+            if find_forward(nodes[klass][1]) is not None:
+                owner = klass
+                break
+        blocker = None
+        if owner is not None and owner != name:
+            blocker = _copy_blocker(find_forward(nodes[owner][1]))  # type: ignore[arg-type]
+        out.append(
+            ClassFacts(
+                name=name,
+                index=index,
+                lineno=node.lineno,
+                bases=bases[name],
+                defines_forward=find_forward(node) is not None,
+                defines_impl=_defines(node, IMPL_NAME),
+                forward_owner=owner,
+                copy_blocker=blocker,
+            )
+        )
+    return tuple(out)
+
+
+def _identifiers(tree: ast.AST) -> Iterator[tuple[str, int]]:
+    for node in ast.walk(tree):
+        line = getattr(node, "lineno", 0)
+        if isinstance(node, ast.Name):
+            yield node.id, line
+        elif isinstance(node, ast.Attribute):
+            yield node.attr, line
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            yield node.name, line
+        elif isinstance(node, ast.arg):
+            yield node.arg, line
+        elif isinstance(node, ast.alias):
+            yield (node.asname or node.name.split(".")[0]), line
+        elif isinstance(node, ast.keyword) and node.arg:
+            yield node.arg, line
+        elif isinstance(node, (ast.Global, ast.Nonlocal)):
+            yield from ((n, line) for n in node.names)
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            yield node.name, line
+
+
+def check_reserved(tree: ast.Module, module: str) -> None:
+    """Raise :class:`LoweringError` on the first identifier that uses a reserved prefix."""
+    hits = sorted((line, name) for name, line in _identifiers(tree) if name.startswith(RESERVED_PREFIXES))
+    if hits:
+        line, name = hits[0]
+        raise LoweringError(
+            f"{module}: line {line}: the name {name!r} starts with '_hp_' or '__hp_', prefixes reserved "
+            "for the code hp_lazy generates; rename it in the source or remove the module from the plan"
+        )
+
+
+def module_facts(tree: ast.Module, module: str) -> ModuleFacts:
+    """Facts of a parsed module; raises :class:`LoweringError` on reserved names."""
+    check_reserved(tree, module)
+    body = tree.body
+    docstring = ast.get_docstring(tree, clean=False)
+    at = 1 if docstring is not None else 0
+    futures: list[str] = []
+    while at < len(body) and isinstance(body[at], ast.ImportFrom) and body[at].module == "__future__":
+        futures += [a.name for a in body[at].names]  # type: ignore[attr-defined]
+        at += 1
+    return ModuleFacts(
+        module=module,
+        docstring=docstring,
+        future_imports=tuple(futures),
+        insert_at=at,
+        classes=_class_facts(tree),
+    )

@@ -1,0 +1,224 @@
+"""``lower(source, module_plan) -> ast.Module``: the pure rewrite of one modeling module.
+
+Per lowered class (docs/contract.md): the original ``forward`` becomes ``_forward_impl`` in place
+(same lines, no decorators), a new ``forward`` with the same signature and the decorators follows
+it, and the class gets ``_hp_form`` and ``_hp_b``. Roots get ``ensure_parallel`` (or
+``install_root`` after the class when their forward is inherited). Nothing else moves.
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import fnmatch
+from dataclasses import dataclass
+
+from hp_lazy.errors import LoweringError, PlanError
+from hp_lazy.lower import emit
+from hp_lazy.lower.classify import FormDecision, classify
+from hp_lazy.lower.facts import (
+    IMPL_NAME,
+    ClassFacts,
+    ForwardFacts,
+    ModuleFacts,
+    find_forward,
+    forward_facts,
+    module_facts,
+)
+from hp_lazy.plan.model import Contract, ModulePlan
+
+_FnDef = ast.FunctionDef
+
+
+@dataclass(frozen=True, slots=True)
+class _Source:
+    """The forward a lowered class runs: the definition that becomes ``_forward_impl``, whether
+    it is the class's own node, and whether it was synthesised (a forward of another module)."""
+
+    impl: _FnDef
+    facts: ForwardFacts
+    own: bool
+    synthesised: bool
+
+
+@dataclass(frozen=True, slots=True)
+class _Target:
+    spec: emit.ForwardSpec
+    source: _Source
+
+
+def lower(source: str, module_plan: ModulePlan, filename: str = "<unknown>") -> ast.Module:
+    """Rewrite the boundary classes and roots of one module; the parsed source as is when
+    nothing applies. Raises ``LoweringError``/``PlanError`` naming the module and the fix."""
+    tree = ast.parse(source, filename=filename)
+    mod = module_facts(tree, module_plan.module)
+    _check_roots(module_plan, mod)
+    targets = _targets(module_plan, mod, tree, _original_forwards(tree, mod))
+    if not targets and not module_plan.roots:
+        return tree
+    after: list[tuple[int, ast.stmt]] = []
+    for cls in mod.classes:
+        node: ast.ClassDef = tree.body[cls.index]  # type: ignore[assignment]
+        if cls.name in targets:
+            _lower_class(node, targets[cls.name], module_plan.module)
+        elif cls.name in module_plan.roots and cls.defines_forward:
+            _add_prologue(find_forward(node))  # type: ignore[arg-type]
+        elif cls.name in module_plan.roots:
+            after.append((cls.index, emit.install_root(cls.name, node)))
+    for index, stmt in sorted(after, key=lambda p: -p[0]):
+        tree.body.insert(index + 1, stmt)
+    _insert_import(tree, mod)
+    return tree
+
+
+def boundary_decisions(source: str, module_plan: ModulePlan) -> dict[str, tuple[str, FormDecision]]:
+    """pattern -> (class, decision) for every contract whose class this module's source lowers,
+    decided exactly as :func:`lower` does (``hp_lazy check``, the runtime binder)."""
+    tree = ast.parse(source)
+    mod = module_facts(tree, module_plan.module)
+    originals = _original_forwards(tree, mod)
+    out = {}
+    for name, contracts in _class_contracts(module_plan, mod).items():
+        facts = _forward_source(tree, mod.cls(name), module_plan.module, originals).facts  # type: ignore[arg-type]
+        out.update({c.pattern: (name, _decide(c, facts, module_plan)) for c in contracts})
+    return dict(sorted(out.items()))
+
+
+def _check_roots(plan: ModulePlan, mod: ModuleFacts) -> None:
+    for root in sorted(plan.roots):
+        if mod.cls(root) is None:
+            raise LoweringError(
+                f"{plan.module}: root class {root!r} is not defined at the top level of the module; "
+                "list only classes the module defines in ModulePlan.roots"
+            )
+
+
+def injection_for(plan: ModulePlan, pattern: str) -> dict[str, object]:
+    """The injections whose ``match`` is ``pattern`` or a glob matching it, merged."""
+    merged: dict[str, object] = {}
+    for inj in plan.injections:
+        match = str(inj.get("match", ""))
+        if match != pattern and not fnmatch.fnmatchcase(pattern, match):
+            continue
+        for key, value in sorted(inj.items()):
+            if key == "match":
+                continue
+            if key in merged and merged[key] != value:
+                raise PlanError(
+                    f"{pattern}: two injections set {key!r} differently ({merged[key]!r} vs {value!r}); keep one"
+                )
+            merged[key] = value
+    return merged
+
+
+def _class_contracts(plan: ModulePlan, mod: ModuleFacts) -> dict[str, list[Contract]]:
+    by_pattern = {c.pattern: c for c in plan.contracts}
+    out: dict[str, list[Contract]] = {}
+    for pattern, cls in sorted(plan.classes.items()):
+        if "." in cls:
+            continue  # defined elsewhere: a leaf bound at run time
+        if mod.cls(cls) is None:
+            raise LoweringError(
+                f"{plan.module}: {pattern} maps to class {cls!r}, which the module does not define at top level; "
+                "fix boundary_classes or use the dotted name of the class's own module"
+            )
+        if pattern not in by_pattern:
+            raise PlanError(
+                f"{plan.module}: {pattern} maps to class {cls!r} but the plan has no contract for it; add one"
+            )
+        if not by_pattern[pattern].skip_source_lowering:
+            out.setdefault(cls, []).append(by_pattern[pattern])
+    return out
+
+
+def _targets(
+    plan: ModulePlan, mod: ModuleFacts, tree: ast.Module, originals: dict[str, _FnDef]
+) -> dict[str, _Target]:
+    """Classes to rewrite, with their one form decision (identity classes are left out)."""
+    out = {}
+    for name, contracts in _class_contracts(plan, mod).items():
+        source = _forward_source(tree, mod.cls(name), plan.module, originals)  # type: ignore[arg-type]
+        decisions = [(c, _decide(c, source.facts, plan)) for c in sorted(contracts, key=lambda c: c.pattern)]
+        first, decision = decisions[0]
+        for other, d in decisions[1:]:
+            if _key(d, other) != _key(decision, first):
+                raise PlanError(
+                    f"{plan.module}: class {name} serves {first.pattern} and {other.pattern} with different "
+                    f"boundary code ({decision.form} vs {d.form}); give them the same in/out placements and "
+                    "deferred biases, or mark one skip_source_lowering"
+                )
+        if decision.form != "identity":
+            deferred = bool(first.deferred_bias_params)
+            spec = emit.ForwardSpec(decision, source.facts, deferred, name in plan.roots, source.synthesised)
+            out[name] = _Target(spec, source)
+    return out
+
+
+def _decide(contract: Contract, facts: ForwardFacts, plan: ModulePlan) -> FormDecision:
+    injection = injection_for(plan, contract.pattern)
+    return classify(contract, facts, plan.mesh, injection=injection, toggle=plan.toggle)
+
+
+def _forward_source(tree: ast.Module, cls: ClassFacts, module: str, originals: dict[str, _FnDef]) -> _Source:
+    node = tree.body[cls.index]
+    if cls.defines_impl:
+        raise LoweringError(
+            f"{module}: class {cls.name} already defines {IMPL_NAME!r}, the name hp_lazy gives the original "
+            "forward; rename it in the source or mark the contract skip_source_lowering"
+        )
+    own = find_forward(node)  # type: ignore[arg-type]
+    if own is not None:
+        impl, synthesised = own, False
+    elif cls.forward_owner is not None and cls.copy_blocker is None:
+        impl, synthesised = copy.deepcopy(originals[cls.forward_owner]), False
+    else:
+        impl, synthesised = emit.synthesised_impl(node), True
+    if isinstance(impl, ast.AsyncFunctionDef) or forward_facts(impl).is_generator:
+        raise LoweringError(
+            f"{module}: {cls.name}.forward (line {impl.lineno}) is async or a generator; hp_lazy cannot place "
+            "its outputs; mark the contract skip_source_lowering"
+        )
+    return _Source(impl, forward_facts(impl, owner=cls.name), own is not None, synthesised)  # type: ignore[arg-type]
+
+
+def _key(decision: FormDecision, contract: Contract) -> tuple:
+    return decision.form, decision.in_ops, decision.out_ops, bool(contract.deferred_bias_params)
+
+
+def _original_forwards(tree: ast.Module, mod: ModuleFacts) -> dict[str, _FnDef]:
+    """Deep copies of every class's own forward, taken before anything is rewritten."""
+    out = {}
+    for cls in mod.classes:
+        fn = find_forward(tree.body[cls.index])  # type: ignore[arg-type]
+        if fn is not None:
+            out[cls.name] = copy.deepcopy(fn)
+    return out
+
+
+def _lower_class(node: ast.ClassDef, target: _Target, module: str) -> None:
+    source, spec = target.source, target.spec
+    impl = source.impl
+    new = emit.build_forward(impl, spec, impl.decorator_list)
+    impl.name, impl.decorator_list = IMPL_NAME, []
+    if source.own:
+        at = node.body.index(impl)
+        node.body[at : at + 1] = [impl, new]
+    else:
+        node.body += [impl, new]
+    attrs = emit.class_attributes(spec.decision.form, f"{module}.{node.name}", node)
+    node.body[_after_docstring(node) : _after_docstring(node)] = attrs
+
+
+def _after_docstring(node: ast.ClassDef | _FnDef) -> int:
+    return 1 if ast.get_docstring(node, clean=False) is not None else 0
+
+
+def _add_prologue(fn: _FnDef) -> None:
+    self_name = (fn.args.posonlyargs or fn.args.args)[0].arg
+    fn.body.insert(_after_docstring(fn), emit.prologue(self_name, fn))
+
+
+def _insert_import(tree: ast.Module, mod: ModuleFacts) -> None:
+    at = mod.insert_at
+    ref = tree.body[at - 1] if at else (tree.body[0] if tree.body else None)
+    tree.body.insert(at, emit.runtime_import(ref))

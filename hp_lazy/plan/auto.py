@@ -1,0 +1,356 @@
+"""``Plan.auto``: contracts derived from transformers' own TP plan strings, per modeling module.
+
+Sources: every config class's ``base_model_tp_plan`` (keys relative to the base model, e.g.
+``"layers.*.self_attn.q_proj": "colwise"``) and the model classes' ``_tp_plan`` (keys relative to
+that class, e.g. ``{"lm_head": "colwise_gather_output"}``), read statically from the source.
+
+Translation (layouts for ``[batch, seq, hidden]`` activations):
+
+- a parent module whose children hold ``colwise``/``packed_colwise`` *and* ``rowwise`` strings is
+  the boundary: ``x: R -> R`` in (copy_to), ``output: P(sum) -> R`` out (reduce_from); with
+  sequence parallel ``x: S(1) -> R`` (gather) and ``output: P(sum) -> S(1)`` (reduce-scatter),
+  plus a container contract on the decoder-layer ``nn.ModuleList``.
+  Params: colwise ``c.weight``/``c.bias`` ``S(0)``; packed ``SS(0,2)``; rowwise ``c.weight``
+  ``S(1)`` with ``c.bias`` deferred; a key naming a raw (expert) parameter shards it on its
+  output dim ``-2`` (``SS(-2,2)`` packed) or input dim ``-1`` (rowwise).
+  ``replicated_with_grad_allreduce`` children go to the boundary's ``grad_sum_params``.
+- ``colwise_gather_output`` / ``rowwise_split_input`` on a Linear: a leaf contract on that Linear
+  (``input: R``, ``output: S(-1) -> R`` / ``input: R -> S(-1)``, ``output: P(sum) -> R``).
+- ``embedding_rowwise`` (and, as transformers does, the base model's ``embed_tokens`` when it is a
+  plain ``nn.Embedding``): vocab-parallel embedding, ``weight: S(0)``, ``output: P(sum) -> R``.
+
+Everything else raises a :class:`PlanError` naming the module, the plan's owner, the key and the
+string, and pointing at an explicit JSON plan.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from dataclasses import dataclass
+
+from hp_lazy.errors import PlanError
+from hp_lazy.plan.model import Contract
+from hp_lazy.plan.parse import contract_from_dict
+from hp_lazy.plan.resolve import ModuleFacts, analyze, forward_params
+
+_MODULE = re.compile(r"^transformers\.models\.(\w+)\.modeling_(\w+)$")
+GROUPED = frozenset({"colwise", "packed_colwise", "rowwise", "replicated_with_grad_allreduce"})
+LEAF = frozenset({"colwise_gather_output", "rowwise_split_input"})
+SUPPORTED = GROUPED | LEAF | {"embedding_rowwise"}
+LINEAR = "torch.nn.Linear"
+EMBEDDING = "torch.nn.Embedding"
+FIX = "write an explicit JSON plan for this module (Plan.from_json) instead of Plan.auto"
+
+
+@dataclass(frozen=True)
+class _Rule:
+    """One transformers TP entry: ``key`` relative to class ``base``, whose FQN is ``prefix + key``."""
+
+    owner: str  # "LlamaConfig.base_model_tp_plan" / "LlamaForCausalLM._tp_plan"
+    base: str
+    prefix: str
+    key: str
+    style: object
+    head: bool
+
+    @property
+    def pattern(self) -> str:
+        return self.prefix + self.key
+
+
+def auto_contracts(
+    module_name: str, source: str, tp: int = 2, sequence_parallel: bool = False, loss_parallel: bool = False
+) -> tuple[Contract, ...] | None:
+    """Contracts for one ``transformers.models.<x>.modeling_<x>`` module, or None when the module
+    is not such a module or its configs declare no ``base_model_tp_plan``."""
+    if not _MODULE.match(module_name):
+        return None
+    facts = analyze(module_name, source)
+    config_plans = _config_plans(module_name, facts)
+    if not config_plans:
+        return None
+    rules = [r for name, plan in config_plans for r in _base_rules(facts, name, plan)]
+    rules += _head_rules(facts)
+    builder = _Builder(facts, tp, sequence_parallel, loss_parallel)
+    return builder.build(rules)
+
+
+def _config_plans(module_name: str, facts: ModuleFacts) -> list[tuple[str, dict[str, object]]]:
+    package, _, leaf = module_name.rpartition(".")
+    names = sorted({v.rpartition(".")[0] for v in facts.imports.values() if v.startswith(package + ".configuration_")})
+    names = names or [f"{package}.configuration_{leaf[len('modeling_'):]}"]
+    found: list[tuple[str, dict[str, object]]] = []
+    for name in names:
+        try:
+            config_module = importlib.import_module(name)
+        except ImportError as exc:
+            raise PlanError(
+                f"{module_name}: cannot import its configuration module {name!r} ({exc}); "
+                f"install what it needs, or {FIX}"
+            ) from exc
+        for cls_name, obj in vars(config_module).items():
+            plan = getattr(obj, "base_model_tp_plan", None) if isinstance(obj, type) else None
+            if getattr(obj, "__module__", None) == name and isinstance(plan, dict) and plan:
+                found.append((cls_name, dict(plan)))
+    return found
+
+
+def _resolves(facts: ModuleFacts, start: str, key: str) -> bool:
+    parent = key.rpartition(".")[0]
+    return bool(facts.resolve(start, key) or (parent and facts.resolve(start, parent)))
+
+
+def _base_rules(facts: ModuleFacts, config: str, plan: dict[str, object]) -> list[_Rule]:
+    owner = f"{config}.base_model_tp_plan"
+    roots = set(facts.pretrained_roots())
+    scored = []
+    for name, cls in facts.classes.items():
+        if facts.is_pretrained(name) and name not in roots:
+            annotated = str(facts.constant(name, "config") or "").rpartition(".")[2] == config
+            count = sum(_resolves(facts, name, key) for key in plan)
+            scored.append((annotated, count, -cls.lineno, name))
+    best = max((s for s in scored if s[1] > 0), default=None)
+    if best is None:
+        if config not in {v.rpartition(".")[2] for v in facts.imports.values()}:
+            return []  # a config of the family that this modeling module does not use
+        raise PlanError(
+            f"{facts.module}: no model class of the module holds the keys of {owner} "
+            f"(e.g. {next(iter(plan))!r}); {FIX}"
+        )
+    base = best[3]
+    prefix = _prefix_to(facts, base)
+    return [_Rule(owner, base, prefix, key, style, False) for key, style in plan.items()]
+
+
+def _prefix_to(facts: ModuleFacts, base: str) -> str:
+    """``"model."`` when a class holds the base model under its ``base_model_prefix``."""
+    best: list[str] | None = None
+    for top in facts.classes:
+        if not facts.is_pretrained(top):
+            continue
+        for path in _paths(facts, top, base):
+            if path[0] != facts.constant(top, "base_model_prefix"):
+                continue
+            if best is None or (len(path), path) < (len(best), best):
+                best = path
+    return "".join(f"{p}." for p in best) if best else ""
+
+
+def _paths(facts: ModuleFacts, top: str, target: str, depth: int = 3) -> list[list[str]]:
+    out, frontier = [], [(top, [])]
+    for _ in range(depth):
+        nxt = []
+        for cls, path in frontier:
+            for attr, refs in facts.children(cls).items():
+                for ref in refs:
+                    if ref.local and ref.elements is None:
+                        (out if ref.name == target else nxt).append((ref.name, [*path, attr]))
+        frontier = nxt
+    return [path for _, path in out]
+
+
+def _head_rules(facts: ModuleFacts) -> list[_Rule]:
+    rules = []
+    for name, cls in facts.classes.items():
+        plan = cls.constants.get("_tp_plan")
+        if isinstance(plan, dict):
+            rules += [_Rule(f"{name}._tp_plan", name, "", key, style, True) for key, style in plan.items()]
+    return rules
+
+
+class _Builder:
+    def __init__(self, facts: ModuleFacts, tp: int, sequence_parallel: bool, loss_parallel: bool) -> None:
+        self.facts = facts
+        self.mesh = {"tp": tp}
+        self.sp = sequence_parallel
+        self.loss_parallel = loss_parallel
+        self.bodies: dict[str, tuple[dict, str]] = {}
+
+    def build(self, rules: list[_Rule]) -> tuple[Contract, ...]:
+        for rule in rules:
+            if not isinstance(rule.style, str) or rule.style not in SUPPORTED:
+                self._fail(rule, "is not a style Plan.auto translates (it handles colwise/packed_colwise -> "
+                           "rowwise pairs, replicated_with_grad_allreduce, colwise_gather_output, "
+                           "rowwise_split_input and embedding_rowwise)")
+        grouped = [r for r in rules if r.style in GROUPED]
+        for rule in rules:
+            if rule.style in LEAF:
+                self._add(rule.pattern, self._leaf(rule), rule.owner)
+            elif rule.style == "embedding_rowwise":
+                self._add(rule.pattern, self._embedding(rule), rule.owner)
+        boundaries = self._boundaries(grouped)
+        self._implicit_embeddings(rules)
+        self._check_nesting()
+        if self.sp:
+            self._containers(grouped, boundaries, rules)
+        return tuple(contract_from_dict(p, body, self.mesh) for p, (body, _) in sorted(self.bodies.items()))
+
+    def _fail(self, rule: _Rule, why: str) -> None:
+        raise PlanError(f"{self.facts.module}: {rule.owner}[{rule.key!r}] = {rule.style!r} {why}; {FIX}")
+
+    def _add(self, pattern: str, body: dict, owner: str) -> None:
+        known = self.bodies.setdefault(pattern, (body, owner))
+        if known[0] != body:
+            raise PlanError(
+                f"{self.facts.module}: {known[1]} and {owner} give {pattern!r} different contracts "
+                f"({known[0]!r} vs {body!r}); {FIX}"
+            )
+
+    def _class_of(self, rule: _Rule, key: str) -> str:
+        names = self.facts.resolve(rule.base, key)
+        if len(names) != 1:
+            found = f"classes {sorted(names)}" if names else "no class"
+            self._fail(rule, f"needs {key!r} of {rule.base} to be one module class, found {found} statically")
+        return next(iter(names))
+
+    def _is_linear(self, name: str) -> bool:
+        return name == LINEAR or (name in self.facts.classes and LINEAR in self.facts.external_bases(name))
+
+    def _input_key(self, rule: _Rule, name: str) -> str:
+        if name not in self.facts.classes:
+            return "input"
+        forward = self.facts.forward(name)
+        params = forward_params(forward) if forward is not None else []
+        if not params:
+            self._fail(rule, f"needs the input of class {name!r}, but no forward with a named first parameter "
+                       "is defined in the module (or its same-module bases)")
+        return params[0]
+
+    def _leaf(self, rule: _Rule) -> dict:
+        name = self._class_of(rule, rule.key)
+        if not self._is_linear(name):
+            self._fail(rule, f"applies to class {name!r}, which is not an nn.Linear")
+        if self.sp and not rule.head:
+            self._fail(rule, "puts a per-Linear gather/split inside a layer, which sequence_parallel cannot wrap")
+        x = self._input_key(rule, name)
+        if rule.style == "rowwise_split_input":
+            return {"in_src": {x: {"tp": "R"}}, "in_dst": {x: {"tp": "S(-1)"}},
+                    "out_src": {"output": {"tp": "P(sum)"}}, "out_dst": {"output": {"tp": "R"}},
+                    "params": {"weight": {"tp": "S(1)"}}, "deferred_bias_params": ["bias"]}
+        out_dst = "S(-1)" if (self.loss_parallel and rule.head) else "R"
+        return {"in_src": {x: {"tp": "R"}}, "in_dst": {x: {"tp": "R"}},
+                "out_src": {"output": {"tp": "S(-1)"}}, "out_dst": {"output": {"tp": out_dst}},
+                "params": {"weight": {"tp": "S(0)"}, "bias": {"tp": "S(0)"}}}
+
+    def _embedding(self, rule: _Rule) -> dict:
+        name = self._class_of(rule, rule.key)
+        if name != EMBEDDING:
+            self._fail(rule, f"applies to class {name!r}; Plan.auto shards only a plain nn.Embedding")
+        return _EMBEDDING_BODY
+
+    def _implicit_embeddings(self, rules: list[_Rule]) -> None:
+        """transformers adds ``embed_tokens: embedding_rowwise`` whenever a TP plan exists."""
+        for base, prefix in sorted({(r.base, r.prefix) for r in rules if not r.head}):
+            pattern = prefix + "embed_tokens"
+            if pattern not in self.bodies and self.facts.resolve(base, "embed_tokens") == {EMBEDDING}:
+                self._add(pattern, _EMBEDDING_BODY, "embed_tokens (transformers' implicit embedding_rowwise)")
+
+    def _boundaries(self, grouped: list[_Rule]) -> list[_Rule]:
+        """The parents holding colwise and rowwise children; returns one rule per boundary."""
+        parents: dict[tuple[str, str], list[_Rule]] = {}
+        for rule in grouped:
+            parent = rule.key.rpartition(".")[0]
+            parents.setdefault((rule.base, parent), []).append(rule)
+        pairs = {k for k, rs in parents.items() if {r.style for r in rs} & {"colwise", "packed_colwise"}
+                 and "rowwise" in {r.style for r in rs}}
+        bodies: dict[tuple[str, str], dict] = {}
+        for (base, parent), rs in parents.items():
+            for rule in rs:
+                home = self._home(rule, pairs, base)
+                body = bodies.setdefault(home, {"params": {}, "deferred_bias_params": [], "grad_sum_params": []})
+                self._child(rule, home[1], body)
+        heads = []
+        for (base, parent) in sorted(bodies):
+            rule = next(r for r in grouped if r.base == base and r.key.startswith(parent + "."))
+            self._add(rule.prefix + parent, self._boundary_body(rule, parent, bodies[(base, parent)]), rule.owner)
+            heads.append(_Rule(rule.owner, base, rule.prefix, parent, "boundary", False))
+        return heads
+
+    def _home(self, rule: _Rule, pairs: set[tuple[str, str]], base: str) -> tuple[str, str]:
+        parent = rule.key.rpartition(".")[0]
+        if not parent:
+            self._fail(rule, f"names a direct child of the base model {base}, which Plan.auto cannot enclose")
+        if (base, parent) in pairs:
+            return (base, parent)
+        if rule.style == "replicated_with_grad_allreduce":
+            for home in sorted(pairs, key=lambda p: -len(p[1])):
+                if home[0] == base and parent.startswith(home[1] + "."):
+                    return home
+            self._fail(rule, "is not inside a module that encloses a colwise -> rowwise pair")
+        self._fail(rule, f"has no {'rowwise' if rule.style != 'rowwise' else 'colwise'} sibling under "
+                   f"{parent or rule.base!r}, so no module encloses a colwise -> rowwise pair")
+        raise AssertionError  # unreachable: _fail raises
+
+    def _child(self, rule: _Rule, parent: str, body: dict) -> None:
+        rel = rule.key[len(parent) + 1 :] if parent else rule.key
+        is_module = bool(self.facts.resolve(rule.base, rule.key))
+        params, style = body["params"], rule.style
+        if style == "replicated_with_grad_allreduce":
+            body["grad_sum_params"].append(f"{rel}.*" if is_module else rel)
+        elif not is_module:
+            if not self._is_param(rule):
+                self._fail(rule, f"names {rule.key!r}, which is neither a child module nor an nn.Parameter of "
+                           f"{rule.base} in the source")
+            params[rel] = {"tp": {"colwise": "S(-2)", "packed_colwise": "SS(-2,2)", "rowwise": "S(-1)"}[style]}
+        else:
+            name = self._class_of(rule, rule.key)
+            if not self._is_linear(name):
+                self._fail(rule, f"applies to class {name!r}, which is not an nn.Linear")
+            shard = {"colwise": "S(0)", "packed_colwise": "SS(0,2)", "rowwise": "S(1)"}[style]
+            params[f"{rel}.weight"] = {"tp": shard}
+            if style == "rowwise":
+                body["deferred_bias_params"].append(f"{rel}.bias")
+            else:
+                params[f"{rel}.bias"] = {"tp": shard}
+
+    def _is_param(self, rule: _Rule) -> bool:
+        owner_key, _, leaf = rule.key.rpartition(".")
+        owners = self.facts.resolve(rule.base, owner_key) if owner_key else {rule.base}
+        return any(leaf in self.facts.params(o) for o in owners if o in self.facts.classes)
+
+    def _boundary_body(self, rule: _Rule, parent: str, body: dict) -> dict:
+        name = self._class_of(rule, parent)
+        if name not in self.facts.classes:
+            self._fail(rule, f"needs its enclosing module {parent!r} to be a class of the module, found {name!r}")
+        x = self._input_key(rule, name)
+        src, dst = ("S(1)", "S(1)") if self.sp else ("R", "R")
+        out = {"in_src": {x: {"tp": src}}, "in_dst": {x: {"tp": "R"}},
+               "out_src": {"output": {"tp": "P(sum)"}}, "out_dst": {"output": {"tp": dst}}, "params": body["params"]}
+        for field in ("deferred_bias_params", "grad_sum_params"):
+            if body[field]:
+                out[field] = sorted(body[field])
+        return out
+
+    def _check_nesting(self) -> None:
+        patterns = sorted(self.bodies)
+        for outer in patterns:
+            for inner in patterns:
+                if inner.startswith(outer + "."):
+                    raise PlanError(
+                        f"{self.facts.module}: contract {inner!r} ({self.bodies[inner][1]}) lies inside contract "
+                        f"{outer!r} ({self.bodies[outer][1]}); Plan.auto does not nest tensor-parallel "
+                        f"boundaries; {FIX}"
+                    )
+
+    def _containers(self, grouped: list[_Rule], boundaries: list[_Rule], rules: list[_Rule]) -> None:
+        for rule in boundaries:
+            segments = rule.key.split(".")
+            star = next((i for i, s in enumerate(segments) if s == "*" or s.isdigit()), None)
+            container = ".".join(segments[:star]) if star else ""
+            if not container or self.facts.resolve(rule.base, container) != {"torch.nn.ModuleList"}:
+                self._fail(rule, f"makes {rule.pattern!r} a boundary outside an nn.ModuleList of layers, "
+                           "which sequence_parallel needs")
+            self._add(rule.prefix + container, _CONTAINER_BODY, "sequence_parallel")
+
+
+_EMBEDDING_BODY = {
+    "in_src": {"input": {"tp": "R"}}, "in_dst": {"input": {"tp": "R"}},
+    "out_src": {"output": {"tp": "P(sum)"}}, "out_dst": {"output": {"tp": "R"}},
+    "params": {"weight": {"tp": "S(0)"}},
+}
+_CONTAINER_BODY = {
+    "in_src": {"input": {"tp": "R"}}, "in_dst": {"input": {"tp": "S(1)"}},
+    "out_src": {"output": {"tp": "S(1)"}}, "out_dst": {"output": {"tp": "R"}},
+    "grad_sum_params": ["*"],
+}

@@ -1,0 +1,292 @@
+"""Plan JSON <-> :class:`~hp_lazy.plan.model.Plan`: strict validation, normalisation, hashing.
+
+The JSON format is DESIGN.md section 2. Every error is a :class:`PlanError` whose text starts with
+where the value sits (``plan.boundaries['model.layers.*.self_attn'].in_src['x']``), then the value,
+the rule it breaks and the fix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from hp_lazy.errors import PlanError
+from hp_lazy.plan.model import Contract, Plan
+from hp_lazy.plan.placement import AXES, Placement
+
+TOP_KEYS = ("version", "mesh", "modules", "boundaries", "boundary_classes", "injections", "auto")
+PLACEMENT_SIDES = ("in_src", "in_dst", "out_src", "out_dst", "params")
+CONTRACT_KEYS = (*PLACEMENT_SIDES, "deferred_bias_params", "grad_sum_params", "skip_source_lowering")
+INJECTION_KEYS = ("match", "inner_wrapper", "inner_target", "inner_out_src", "local_compute_fn", "ep_stack", "ep_size")
+AUTO_KEYS = ("tp", "sequence_parallel", "loss_parallel")
+RESERVED_PREFIXES = ("_hp_", "__hp_")
+_OUTPUT_KEY = re.compile(r"^output(\.\d+)?$")
+_PATTERN_SEGMENT = re.compile(r"^[\w*?\[\]!-]+$")
+
+
+def canonical_json(data: object) -> str:
+    """Sorted keys, no whitespace: the text every hash in hp_lazy is taken over."""
+    return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+
+
+def sha256_json(data: object) -> str:
+    return hashlib.sha256(canonical_json(data).encode()).hexdigest()
+
+
+def _check_keys(where: str, data: object, allowed: tuple[str, ...]) -> Mapping[str, Any]:
+    if not isinstance(data, Mapping):
+        raise PlanError(f"{where}: {data!r} is not an object; write a JSON object with keys from {list(allowed)}")
+    for key in data:
+        if key not in allowed:
+            raise PlanError(f"{where}: unknown key {key!r}; allowed keys are {list(allowed)}; remove or rename it")
+    return data
+
+
+def check_name(where: str, name: object, what: str = "name") -> str:
+    """A dotted name (pattern, param, input) must be a non-empty string with no reserved segment."""
+    if not isinstance(name, str) or not name:
+        raise PlanError(f"{where}: {what} {name!r} is not a non-empty string; fix the plan")
+    for segment in name.split("."):
+        if segment.startswith(RESERVED_PREFIXES):
+            raise PlanError(
+                f"{where}: {what} {name!r} uses the reserved prefix '_hp_'/'__hp_' "
+                "(hp_lazy generates such names); rename it"
+            )
+        if not _PATTERN_SEGMENT.match(segment):
+            raise PlanError(f"{where}: {what} {name!r} has an empty or invalid segment {segment!r}; fix the plan")
+    return name
+
+
+def _parse_mesh(data: object) -> dict[str, int]:
+    if not isinstance(data, Mapping) or not data:
+        raise PlanError(f"plan.mesh: {data!r} is not a non-empty object; write e.g. {{\"tp\": 2}}")
+    mesh: dict[str, int] = {}
+    for axis, degree in data.items():
+        if axis not in AXES:
+            raise PlanError(f"plan.mesh: axis {axis!r} is not one of {list(AXES)}; rename it")
+        if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1:
+            raise PlanError(f"plan.mesh[{axis!r}]: degree {degree!r} is not a positive integer; use e.g. 2")
+        mesh[axis] = degree
+    return {axis: mesh[axis] for axis in AXES if axis in mesh}
+
+
+def _parse_axes(where: str, data: object, mesh: Mapping[str, int]) -> dict[str, Placement]:
+    if not isinstance(data, Mapping):
+        raise PlanError(f"{where}: {data!r} is not an object of axis -> placement; write e.g. {{\"tp\": \"S(0)\"}}")
+    axes: dict[str, Placement] = {}
+    for axis, text in data.items():
+        if axis not in mesh:
+            raise PlanError(
+                f"{where}: axis {axis!r} is not in the mesh {sorted(mesh)}; add it to plan.mesh or remove it"
+            )
+        axes[axis] = Placement.parse(text, where=f"{where}[{axis!r}]")
+    return axes
+
+
+def _parse_side(where: str, side: str, data: object, mesh: Mapping[str, int]) -> dict[str, dict[str, Placement]]:
+    if not isinstance(data, Mapping):
+        raise PlanError(f"{where}.{side}: {data!r} is not an object of name -> {{axis: placement}}; fix the plan")
+    out: dict[str, dict[str, Placement]] = {}
+    for name, axes in data.items():
+        check_name(f"{where}.{side}", name, "param" if side == "params" else "name")
+        if side.startswith("out") and not _OUTPUT_KEY.match(name):
+            raise PlanError(
+                f"{where}.{side}: output key {name!r} is not 'output' or 'output.<i>'; "
+                "use 'output' for the return value (or tuple position 0), 'output.1' for position 1"
+            )
+        if side.startswith("in") and not name.isidentifier():
+            raise PlanError(f"{where}.{side}: input key {name!r} is not a forward parameter name; fix the plan")
+        out[name] = _parse_axes(f"{where}.{side}[{name!r}]", axes, mesh)
+    return out
+
+
+def _parse_names(where: str, data: object) -> tuple[str, ...]:
+    if not isinstance(data, (list, tuple)):
+        raise PlanError(f"{where}: {data!r} is not a list of parameter names; write e.g. [\"o_proj.bias\"]")
+    return tuple(check_name(where, name, "param") for name in data)
+
+
+def _check_deferred_biases(where: str, contract: Contract) -> None:
+    for bias in contract.deferred_bias_params:
+        if bias != "bias" and not bias.endswith(".bias"):
+            raise PlanError(
+                f"{where}.deferred_bias_params: {bias!r} does not end in '.bias'; "
+                "list only the biases of rowwise Linears, e.g. 'o_proj.bias'"
+            )
+        weight = bias[: -len("bias")] + "weight"
+        dims = {p.dim for p in contract.params.get(weight, {}).values() if p.kind == "S"}
+        if not dims & {1, -1}:
+            raise PlanError(
+                f"{where}.deferred_bias_params: {bias!r} needs its sibling {weight!r} sharded rowwise "
+                f"(S(1) or S(-1)) in params, found {_axes_text(contract.params.get(weight))}; "
+                f"add \"{weight}\": {{\"tp\": \"S(1)\"}} or drop the bias from deferred_bias_params"
+            )
+
+
+def _axes_text(axes: Mapping[str, Placement] | None) -> str:
+    return "nothing" if not axes else "{" + ", ".join(f"{a}: {p}" for a, p in axes.items()) + "}"
+
+
+def contract_from_dict(pattern: str, data: object, mesh: Mapping[str, int]) -> Contract:
+    """Validate one ``boundaries[pattern]`` entry against the mesh."""
+    where = f"plan.boundaries[{pattern!r}]"
+    check_name("plan.boundaries", pattern, "pattern")
+    body = _check_keys(where, data, CONTRACT_KEYS)
+    sides = {side: _parse_side(where, side, body.get(side, {}), mesh) for side in PLACEMENT_SIDES}
+    skip = body.get("skip_source_lowering", False)
+    if not isinstance(skip, bool):
+        raise PlanError(f"{where}.skip_source_lowering: {skip!r} is not true/false; fix the plan")
+    contract = Contract(
+        pattern=pattern,
+        **sides,
+        deferred_bias_params=_parse_names(f"{where}.deferred_bias_params", body.get("deferred_bias_params", [])),
+        grad_sum_params=_parse_names(f"{where}.grad_sum_params", body.get("grad_sum_params", [])),
+        skip_source_lowering=skip,
+    )
+    _check_deferred_biases(where, contract)
+    return contract
+
+
+def contract_to_dict(contract: Contract) -> dict[str, Any]:
+    """The JSON body of a contract (without its pattern); empty fields are left out."""
+    out: dict[str, Any] = {}
+    for side in PLACEMENT_SIDES:
+        value = getattr(contract, side)
+        if value:
+            out[side] = {name: {axis: str(p) for axis, p in axes.items()} for name, axes in value.items()}
+    if contract.deferred_bias_params:
+        out["deferred_bias_params"] = list(contract.deferred_bias_params)
+    if contract.grad_sum_params:
+        out["grad_sum_params"] = list(contract.grad_sum_params)
+    if contract.skip_source_lowering:
+        out["skip_source_lowering"] = True
+    return out
+
+
+def _parse_modules(data: object) -> tuple[str, ...]:
+    if not isinstance(data, (list, tuple)) or not data:
+        raise PlanError(
+            f"plan.modules: {data!r} is not a non-empty list of module names; "
+            "write e.g. [\"transformers.models.llama.modeling_llama\"]"
+        )
+    for name in data:
+        if not isinstance(name, str) or not name or any(not part for part in name.split(".")):
+            raise PlanError(f"plan.modules: {name!r} is not a dotted module name (globs allowed); fix the plan")
+    return tuple(data)
+
+
+def _parse_classes(data: object, patterns: set[str]) -> dict[str, str]:
+    if not isinstance(data, Mapping):
+        raise PlanError(f"plan.boundary_classes: {data!r} is not an object of pattern -> class name; fix the plan")
+    for pattern, name in data.items():
+        if pattern not in patterns:
+            raise PlanError(
+                f"plan.boundary_classes[{pattern!r}]: the pattern has no entry in plan.boundaries; "
+                "add a boundary for it or remove the class"
+            )
+        if not isinstance(name, str) or not all(part.isidentifier() for part in name.split(".")):
+            raise PlanError(
+                f"plan.boundary_classes[{pattern!r}]: {name!r} is not a class name; "
+                "write a bare name ('LlamaAttention') or a dotted one ('torch.nn.Linear')"
+            )
+        check_name(f"plan.boundary_classes[{pattern!r}]", name, "class")
+    return dict(data)
+
+
+def _parse_injections(data: object) -> tuple[dict[str, Any], ...]:
+    if not isinstance(data, (list, tuple)):
+        raise PlanError(f"plan.injections: {data!r} is not a list of {{\"match\": pattern, ...}}; fix the plan")
+    out = []
+    for i, rule in enumerate(data):
+        where = f"plan.injections[{i}]"
+        body = _check_keys(where, rule, INJECTION_KEYS)
+        if "match" not in body:
+            raise PlanError(f"{where}: {dict(body)!r} has no 'match'; add the FQN pattern it applies to")
+        check_name(f"{where}.match", body["match"], "pattern")
+        try:
+            canonical_json(dict(body))
+        except (TypeError, ValueError) as exc:
+            raise PlanError(f"{where}: {dict(body)!r} is not JSON data ({exc}); use strings, numbers, lists") from exc
+        out.append(dict(body))
+    return tuple(out)
+
+
+def parse_auto(data: object) -> dict[str, object]:
+    body = _check_keys("plan.auto", data, AUTO_KEYS)
+    tp = body.get("tp", 2)
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise PlanError(f"plan.auto.tp: degree {tp!r} is not a positive integer; use e.g. tp=2")
+    flags = {}
+    for name in ("sequence_parallel", "loss_parallel"):
+        flags[name] = body.get(name, False)
+        if not isinstance(flags[name], bool):
+            raise PlanError(f"plan.auto.{name}: {flags[name]!r} is not true/false; fix the plan")
+    return {"tp": tp, **flags}
+
+
+def plan_from_dict(data: object) -> Plan:
+    """Validate and normalise a plan given as JSON data."""
+    body = _check_keys("plan", data, TOP_KEYS)
+    version = body.get("version", 1)
+    if version != 1 or isinstance(version, bool):
+        raise PlanError(f"plan.version: {version!r} is not a supported version; use 1")
+    auto = parse_auto(body["auto"]) if "auto" in body else None
+    mesh = _parse_mesh(body["mesh"] if "mesh" in body else ({"tp": auto["tp"]} if auto else None))
+    if auto is not None and mesh.get("tp") != auto["tp"]:
+        raise PlanError(f"plan.mesh: tp={mesh.get('tp')!r} differs from plan.auto.tp={auto['tp']}; make them equal")
+    modules = _parse_modules(body.get("modules", ["transformers.models.*.modeling_*"] if auto else None))
+    raw = body.get("boundaries", {})
+    if not isinstance(raw, Mapping):
+        raise PlanError(f"plan.boundaries: {raw!r} is not an object of pattern -> contract; fix the plan")
+    boundaries = tuple(contract_from_dict(p, c, mesh) for p, c in sorted(raw.items()))
+    if not boundaries and auto is None:
+        raise PlanError("plan.boundaries: the plan has no boundary; add at least one, or use Plan.auto()")
+    classes = _parse_classes(body.get("boundary_classes", {}), set(raw))
+    return Plan(
+        version=1,
+        mesh=mesh,
+        modules=modules,
+        boundaries=boundaries,
+        boundary_classes=classes,
+        injections=_parse_injections(body.get("injections", [])),
+        auto=auto,
+    )
+
+
+def plan_to_dict(plan: Plan) -> dict[str, Any]:
+    """The normalised JSON data of a plan; ``plan_from_dict(plan_to_dict(p)) == p``."""
+    out: dict[str, Any] = {
+        "version": plan.version,
+        "mesh": dict(plan.mesh),
+        "modules": list(plan.modules),
+        "boundaries": {c.pattern: contract_to_dict(c) for c in plan.boundaries},
+    }
+    if plan.boundary_classes:
+        out["boundary_classes"] = dict(plan.boundary_classes)
+    if plan.injections:
+        out["injections"] = [dict(rule) for rule in plan.injections]
+    if plan.auto is not None:
+        out["auto"] = dict(plan.auto)
+    return out
+
+
+def plan_from_json(path_or_text: str | os.PathLike[str]) -> Plan:
+    """``path_or_text`` is JSON text (starts with ``{``) or a path to a JSON file."""
+    text = str(path_or_text) if isinstance(path_or_text, (str, os.PathLike)) else None
+    if text is None:
+        raise PlanError(f"plan: {path_or_text!r} is neither JSON text nor a path; pass a str or a Path")
+    if not text.lstrip().startswith("{"):
+        try:
+            with open(text, encoding="utf-8") as handle:
+                text = handle.read()
+        except OSError as exc:
+            raise PlanError(f"plan: cannot read plan file {str(path_or_text)!r} ({exc}); check the path") from exc
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise PlanError(f"plan: invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}; fix the file") from exc
+    return plan_from_dict(data)

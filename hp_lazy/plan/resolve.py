@@ -1,0 +1,333 @@
+"""Static FQN -> class resolution from a module's source: pure ``ast``, the module is never imported.
+
+Per class, :func:`analyze` collects what ``__init__`` assigns to ``self.<attr>``: a class call
+(``self.self_attn = LlamaAttention(config)``), a ``nn.ModuleList`` of class calls (a list literal, a
+list comprehension or a generator), or an ``nn.Parameter``. Attributes of bases defined in the same
+module are inherited. Names are qualified through the module's imports (``from torch import nn`` ->
+``nn.Linear`` is ``"torch.nn.Linear"``; relative imports become absolute against the module's package).
+
+A pattern such as ``"model.layers.*.self_attn"`` is then walked from a start class, one segment per
+attribute; ``"*"`` or an integer steps into a ``ModuleList``'s element class.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+from functools import lru_cache
+
+from hp_lazy.errors import PlanError
+
+MODULE_LISTS = frozenset({"torch.nn.ModuleList", "torch.nn.modules.container.ModuleList"})
+PARAMETERS = frozenset({"torch.nn.Parameter", "torch.nn.parameter.Parameter"})
+NO_FORWARD_BASES = frozenset(
+    {"object", "torch.nn.Module", "torch.nn.modules.module.Module", "transformers.modeling_utils.PreTrainedModel"}
+)
+FACTORIES = frozenset({"_from_config", "from_config"})
+PRETRAINED = "transformers.modeling_utils.PreTrainedModel"
+FunctionNode = ast.FunctionDef | ast.AsyncFunctionDef
+
+
+@dataclass(frozen=True)
+class Ref:
+    """A statically known child module: a class (bare name if local, dotted if imported), or a
+    ModuleList whose ``elements`` are the groups of classes each position may hold."""
+
+    name: str
+    local: bool
+    elements: tuple[tuple[Ref, ...], ...] | None = None
+    literal: bool = False
+    """For a ModuleList: ``elements`` are positions of a list literal (else one group for all)."""
+
+
+@dataclass(frozen=True, eq=False)
+class ClassFacts:
+    name: str
+    lineno: int
+    bases: tuple[str, ...]
+    """Bare names of local bases, dotted names of imported ones, raw text of anything else."""
+    children: Mapping[str, tuple[Ref, ...]]
+    params: tuple[str, ...]
+    forward: FunctionNode | None
+    constants: Mapping[str, object]
+    """Class-level literals: ``base_model_prefix``, ``_tp_plan``, and ``config`` (annotation text)."""
+
+
+@dataclass(frozen=True, eq=False)
+class ModuleFacts:
+    module: str
+    imports: Mapping[str, str]
+    classes: Mapping[str, ClassFacts] = field(default_factory=dict)
+
+    def qualify(self, dotted: str) -> tuple[str, bool] | None:
+        """``"nn.Linear"`` -> ``("torch.nn.Linear", False)``; a local class -> ``(name, True)``."""
+        head, _, rest = dotted.partition(".")
+        if head in self.classes and not rest:
+            return head, True
+        if head not in self.imports:
+            return None
+        full = self.imports[head] + ("." + rest if rest else "")
+        local = full[len(self.module) + 1 :] if full.startswith(self.module + ".") else None
+        if local is not None and local in self.classes:
+            return local, True
+        return full, False
+
+    def mro(self, name: str) -> list[str]:
+        """The class and its local bases, depth first, left to right, each once."""
+        order: list[str] = []
+        stack = [name]
+        while stack:
+            current = stack.pop(0)
+            if current in order or current not in self.classes:
+                continue
+            order.append(current)
+            stack[0:0] = [b for b in self.classes[current].bases if b in self.classes]
+        return order
+
+    def external_bases(self, name: str) -> set[str]:
+        return {b for c in self.mro(name) for b in self.classes[c].bases if b not in self.classes}
+
+    def children(self, name: str) -> dict[str, tuple[Ref, ...]]:
+        merged: dict[str, tuple[Ref, ...]] = {}
+        for cls in reversed(self.mro(name)):
+            merged.update(self.classes[cls].children)
+        return merged
+
+    def params(self, name: str) -> set[str]:
+        return {p for cls in self.mro(name) for p in self.classes[cls].params}
+
+    def constant(self, name: str, key: str) -> object:
+        """A class-level literal, looked up through local bases (None if absent)."""
+        for cls in self.mro(name):
+            if key in self.classes[cls].constants:
+                return self.classes[cls].constants[key]
+        return None
+
+    def forward(self, name: str) -> FunctionNode | None:
+        """The ``forward`` defined by the class or a local base."""
+        for cls in self.mro(name):
+            if self.classes[cls].forward is not None:
+                return self.classes[cls].forward
+        return None
+
+    def has_forward(self, name: str) -> bool:
+        """Own or inherited forward; an imported base other than ``nn.Module`` is taken to have one."""
+        return self.forward(name) is not None or bool(self.external_bases(name) - NO_FORWARD_BASES)
+
+    def is_pretrained(self, name: str) -> bool:
+        return PRETRAINED in self.external_bases(name)
+
+    def pretrained_roots(self) -> list[str]:
+        """Local classes whose own bases name transformers' ``PreTrainedModel``."""
+        return [c.name for c in self.classes.values() if PRETRAINED in c.bases]
+
+    def resolve(self, start: str, pattern: str) -> set[str]:
+        """Class names ``pattern`` reaches from local class ``start`` (empty: no static match)."""
+        refs = {Ref(start, True)}
+        for segment in pattern.split("."):
+            refs = {child for ref in refs for child in self._step(ref, segment)}
+            if not refs:
+                return set()
+        return {ref.name for ref in refs}
+
+    def _step(self, ref: Ref, segment: str) -> Iterator[Ref]:
+        if ref.elements is not None:
+            if segment == "*":
+                yield from (r for group in ref.elements for r in group)
+            elif segment.isdigit() and ref.elements:
+                index = int(segment) if ref.literal else 0
+                if index < len(ref.elements):
+                    yield from ref.elements[index]
+            return
+        if not ref.local or segment == "*":
+            return
+        for attr, refs in self.children(ref.name).items():
+            if attr == segment or (any(ch in segment for ch in "*?[") and fnmatchcase(attr, segment)):
+                yield from refs
+
+
+def _dotted(node: ast.expr) -> str | None:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        head = _dotted(node.value)
+        return None if head is None else f"{head}.{node.attr}"
+    return None
+
+
+def _absolute(module: str, level: int, name: str | None) -> str:
+    parts = module.split(".")[:-1]
+    base = parts[: len(parts) - (level - 1)] if level > 1 else parts
+    return ".".join([*base, *([name] if name else [])])
+
+
+def _top_statements(body: list[ast.stmt]) -> Iterator[ast.stmt]:
+    """Module-level statements, descending into ``if``/``try`` blocks but not into defs."""
+    for node in body:
+        yield node
+        for attr in ("body", "orelse", "finalbody"):
+            if isinstance(node, (ast.If, ast.Try)) and getattr(node, attr, None):
+                yield from _top_statements(getattr(node, attr))
+        for handler in getattr(node, "handlers", []) if isinstance(node, ast.Try) else []:
+            yield from _top_statements(handler.body)
+
+
+def _imports(module: str, tree: ast.Module) -> dict[str, str]:
+    names: dict[str, str] = {}
+    for node in _top_statements(tree.body):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                head = alias.name.split(".")[0]
+                names[alias.asname or head] = alias.name if alias.asname else head
+        elif isinstance(node, ast.ImportFrom):
+            source = _absolute(module, node.level, node.module) if node.level else (node.module or "")
+            for alias in node.names:
+                if alias.name != "*":
+                    names[alias.asname or alias.name] = f"{source}.{alias.name}"
+    return names
+
+
+class _ClassScanner:
+    """Reads one class body: ``__init__`` assignments, ``forward``, class-level literals."""
+
+    def __init__(self, facts: ModuleFacts, node: ast.ClassDef) -> None:
+        self.facts = facts
+        self.node = node
+        self.children: dict[str, tuple[Ref, ...]] = {}
+        self.params: list[str] = []
+
+    def scan(self) -> ClassFacts:
+        methods = {n.name: n for n in self.node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+        if "__init__" in methods:
+            self._scan_init(methods["__init__"])
+        return ClassFacts(
+            name=self.node.name,
+            lineno=self.node.lineno,
+            bases=tuple(self._base(b) for b in self.node.bases),
+            children=self.children,
+            params=tuple(self.params),
+            forward=methods.get("forward"),
+            constants=self._constants(),
+        )
+
+    def _base(self, node: ast.expr) -> str:
+        text = _dotted(node)
+        if text is None:
+            return ast.unparse(node)
+        qualified = self.facts.qualify(text)
+        return qualified[0] if qualified else text
+
+    def _constants(self) -> dict[str, object]:
+        out: dict[str, object] = {}
+        for node in self.node.body:
+            if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+                try:
+                    out[node.targets[0].id] = ast.literal_eval(node.value)
+                except (ValueError, TypeError, SyntaxError, RecursionError):
+                    out[node.targets[0].id] = _dotted(node.value)
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.target.id == "config":
+                out["config"] = _dotted(node.annotation)
+        return out
+
+    def _scan_init(self, init: FunctionNode) -> None:
+        if not init.args.args:
+            return
+        self_name = init.args.args[0].arg
+        for node in _walk_body(init.body):
+            if isinstance(node, ast.Assign):
+                targets = node.targets
+            else:
+                targets = [node.target] if isinstance(node, ast.AnnAssign) else []
+            value = getattr(node, "value", None)
+            for target in targets:
+                if isinstance(target, ast.Attribute) and _dotted(target.value) == self_name and value is not None:
+                    self._assign(target.attr, value)
+
+    def _assign(self, attr: str, value: ast.expr) -> None:
+        if isinstance(value, ast.Call) and self._qualified(value.func) in PARAMETERS:
+            self.params.append(attr)
+            return
+        refs = self._refs(value)
+        if refs:
+            merged = self.children.get(attr, ()) + tuple(r for r in refs if r not in self.children.get(attr, ()))
+            self.children[attr] = merged
+
+    def _qualified(self, node: ast.expr) -> str | None:
+        text = _dotted(node)
+        qualified = self.facts.qualify(text) if text else None
+        return qualified[0] if qualified else None
+
+    def _refs(self, node: ast.expr) -> tuple[Ref, ...]:
+        if isinstance(node, ast.IfExp):
+            return self._refs(node.body) + self._refs(node.orelse)
+        if not isinstance(node, ast.Call):
+            return ()
+        func = node.func
+        if isinstance(func, ast.Attribute) and func.attr in FACTORIES:
+            func = func.value  # LlamaModel._from_config(config) builds a LlamaModel
+        text = _dotted(func)
+        qualified = self.facts.qualify(text) if text else None
+        if qualified is None:
+            return ()
+        name, local = qualified
+        if name in MODULE_LISTS:
+            return (self._module_list(name, node),)
+        return (Ref(name, local),)
+
+    def _module_list(self, name: str, call: ast.Call) -> Ref:
+        arg = call.args[0] if call.args else next((k.value for k in call.keywords if k.arg == "modules"), None)
+        if isinstance(arg, (ast.List, ast.Tuple)):
+            return Ref(name, False, tuple(self._refs(e) for e in arg.elts), literal=True)
+        if isinstance(arg, (ast.ListComp, ast.GeneratorExp)):
+            return Ref(name, False, (self._refs(arg.elt),))
+        return Ref(name, False, ())
+
+
+def _walk_body(body: list[ast.stmt]) -> Iterator[ast.AST]:
+    """Every node of a function body except those of nested functions, classes and lambdas."""
+    stack: list[ast.AST] = list(reversed(body))
+    while stack:
+        node = stack.pop()
+        yield node
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+            continue
+        stack.extend(reversed(list(ast.iter_child_nodes(node))))
+
+
+@lru_cache(maxsize=16)
+def analyze(module: str, source: str) -> ModuleFacts:
+    """Static facts of every top-level class of ``source`` (the text of module ``module``)."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError as exc:
+        raise PlanError(f"{module}: the source does not parse ({exc.msg}, line {exc.lineno}); fix the module") from exc
+    classes: dict[str, ClassFacts] = {}
+    facts = ModuleFacts(module=module, imports=_imports(module, tree), classes=classes)
+    nodes = [n for n in _top_statements(tree.body) if isinstance(n, ast.ClassDef)]
+    for node in nodes:  # names first, so that bases and children qualify as local
+        classes[node.name] = ClassFacts(node.name, node.lineno, (), {}, (), None, {})
+    for node in nodes:
+        classes[node.name] = _ClassScanner(facts, node).scan()
+    return facts
+
+
+def forward_params(fn: FunctionNode) -> list[str]:
+    """Positional-or-keyword parameter names of a method, without ``self``."""
+    return [a.arg for a in [*fn.args.posonlyargs, *fn.args.args]][1:]
+
+
+def resolve_pattern(facts: ModuleFacts, pattern: str) -> dict[str, set[str]]:
+    """Start class -> classes ``pattern`` reaches from it, over every class of the module. A pattern
+    whose first segment is a class's base-model prefix (``base_model_prefix = "model"``) is also
+    resolved from that class with the segment stripped (the base model used as the top level)."""
+    found: dict[str, set[str]] = {}
+    head, _, rest = pattern.partition(".")
+    for name in facts.classes:
+        hits = facts.resolve(name, pattern)
+        if rest and facts.constant(name, "base_model_prefix") == head:
+            hits |= facts.resolve(name, rest)
+        if hits:
+            found[name] = hits
+    return found

@@ -1,0 +1,132 @@
+"""``Plan.slice(module, source)``: the part of a plan that applies to one modeling module.
+
+For each contract the boundary class is found statically (:mod:`hp_lazy.plan.resolve`) or taken
+from ``boundary_classes``; ``roots`` are the classes from which a contract pattern resolves, plus,
+in a transformers module, every class deriving from the module's ``PreTrainedModel`` subclass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from hp_lazy.errors import PlanError
+from hp_lazy.plan.model import Contract, ModulePlan, Plan
+from hp_lazy.plan.parse import sha256_json
+from hp_lazy.plan.resolve import ModuleFacts, analyze, resolve_pattern
+
+
+@dataclass(frozen=True)
+class _Applied:
+    contract: Contract
+    cls: str
+    local: bool
+    starts: frozenset[str]
+
+
+def slice_plan(plan: Plan, module: str, source: str) -> ModulePlan | None:
+    """None when the plan does not target ``module`` or nothing of it applies there."""
+    if not plan.targets(module):
+        return None
+    if plan.auto is not None:
+        from hp_lazy.plan.auto import auto_contracts
+
+        contracts = auto_contracts(module, source, **plan.auto)
+        if contracts is None:
+            return None
+        overrides, strict = {}, True
+    else:
+        contracts, overrides = plan.boundaries, dict(plan.boundary_classes)
+        strict = tuple(plan.modules) == (module,)
+    facts = analyze(module, source)
+    applied = [a for c in contracts if (a := _apply(facts, c, overrides.get(c.pattern), strict)) is not None]
+    if not applied:
+        return None
+    _check_shared_classes(module, applied)
+    patterns = {a.contract.pattern for a in applied}
+    sliced = ModulePlan(
+        module=module,
+        plan_hash=plan.hash,
+        mesh=dict(plan.mesh),
+        contracts=tuple(sorted((a.contract for a in applied), key=lambda c: c.pattern)),
+        classes={a.contract.pattern: a.cls for a in sorted(applied, key=lambda a: a.contract.pattern)},
+        roots=_roots(facts, applied),
+        injections=tuple(r for r in plan.injections if r["match"] in patterns or resolve_pattern(facts, r["match"])),
+    )
+    return replace(sliced, hash=sha256_json(sliced.to_dict()))
+
+
+def _apply(facts: ModuleFacts, contract: Contract, override: str | None, strict: bool) -> _Applied | None:
+    module, pattern = facts.module, contract.pattern
+    found = resolve_pattern(facts, pattern)
+    names = set().union(*found.values()) if found else set()
+    if override is not None:
+        return _overridden(facts, contract, override, frozenset(found), strict)
+    if not names:
+        if not strict:
+            return None
+        raise PlanError(
+            f"{module}: boundary {pattern!r} matches no class of the module (no chain of "
+            "'self.<attr> = Cls(...)' / nn.ModuleList assignments reaches it from any class); "
+            "fix the pattern, or name the class in boundary_classes"
+        )
+    if len(names) > 1:
+        detail = "; ".join(f"from {start}: {', '.join(sorted(hits))}" for start, hits in sorted(found.items()))
+        raise PlanError(
+            f"{module}: boundary {pattern!r} resolves to different classes {sorted(names)} ({detail}); "
+            f"make the pattern match one class, or set boundary_classes[{pattern!r}]"
+        )
+    (name,) = names
+    local = name in facts.classes
+    _check_forward(facts, pattern, name, local)
+    return _Applied(contract, name, local, frozenset(found))
+
+
+def _overridden(
+    facts: ModuleFacts, contract: Contract, name: str, starts: frozenset[str], strict: bool
+) -> _Applied | None:
+    if name.startswith(facts.module + "."):
+        name = name[len(facts.module) + 1 :]
+    local = "." not in name
+    if local and name not in facts.classes:
+        if not strict:
+            return None
+        raise PlanError(
+            f"{facts.module}: boundary_classes[{contract.pattern!r}] = {name!r} is not a class defined in the "
+            f"module; name a class of {facts.module} or a dotted name such as 'torch.nn.Linear'"
+        )
+    _check_forward(facts, contract.pattern, name, local)
+    return _Applied(contract, name, local, starts)
+
+
+def _check_forward(facts: ModuleFacts, pattern: str, name: str, local: bool) -> None:
+    if local and not facts.has_forward(name):
+        raise PlanError(
+            f"{facts.module}: boundary {pattern!r} is class {name!r}, which has no forward of its own or "
+            "inherited; point the pattern at a module that defines forward"
+        )
+
+
+def _check_shared_classes(module: str, applied: list[_Applied]) -> None:
+    """One lowered class has one forward: every pattern that lands on it needs the same contract."""
+    first: dict[str, _Applied] = {}
+    for item in applied:
+        if not item.local or item.contract.skip_source_lowering:
+            continue
+        other = first.setdefault(item.cls, item)
+        mine, theirs = item.contract.to_dict(), other.contract.to_dict()
+        for field in ("in_src", "in_dst", "out_src", "out_dst", "deferred_bias_params", "grad_sum_params"):
+            if mine.get(field) != theirs.get(field):
+                raise PlanError(
+                    f"{module}: boundaries {other.contract.pattern!r} and {item.contract.pattern!r} both lower "
+                    f"class {item.cls!r} but differ in {field}: {theirs.get(field)!r} vs {mine.get(field)!r}; "
+                    "give them identical contracts (only params may differ) or mark one skip_source_lowering"
+                )
+
+
+def _roots(facts: ModuleFacts, applied: list[_Applied]) -> tuple[str, ...]:
+    roots = {start for item in applied for start in item.starts}
+    bases = facts.pretrained_roots()
+    for name in facts.classes:
+        if name not in bases and any(b in facts.mro(name) for b in bases):
+            roots.add(name)
+    return tuple(sorted(roots, key=lambda name: facts.classes[name].lineno))

@@ -1,0 +1,244 @@
+"""Binding a model: shard its parameters and give each boundary instance its ops.
+
+``parallelize(model)`` walks the model once, matches every module FQN against the contracts of
+the plan slice its top-level class was lowered under, shards the parameters in place, installs
+leaf implementations for torch modules (embedding, lm_head, the sequence-parallel layer stack)
+and sets ``module._hp_b`` on lowered instances. Lowered root classes call it from their forward,
+so after ``activate`` a model runs in parallel with no further call.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import importlib
+import re
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hp_lazy.errors import ShardingError
+from hp_lazy.plan.model import Contract, ModulePlan
+from hp_lazy.runtime import collectives, leaves, registry
+from hp_lazy.runtime.binding import Binding, compile_ops
+from hp_lazy.runtime.heads import fit_attention_heads, kv_replicas
+from hp_lazy.runtime.mesh import Group, get_mesh
+from hp_lazy.runtime.shard import make_spec, shard_parameter
+
+__all__ = ["parallelize"]
+
+
+def parallelize(model: nn.Module) -> nn.Module:
+    """Shard ``model`` in place per the active plan and bind its boundaries; idempotent.
+
+    Call it before building DDP/FSDP or an optimizer that inspects shapes; otherwise the first
+    forward of a lowered model does it.
+    """
+    if model.__dict__.get("_hp_bound"):
+        return model
+    roots = list(_outermost_roots(model))
+    if not roots:
+        raise ShardingError(
+            f"{type(model).__qualname__}: no class of this model was lowered by hp_lazy (its module "
+            f"{type(model).__module__} is not in the active plan); call hp_lazy.activate(plan) before "
+            "importing the modeling module"
+        )
+    for prefix, root, lowered in roots:
+        _bind_root(root, lowered)
+    for module in model.modules():
+        if registry.lowered_for(type(module)) is not None:
+            module._hp_bound = True
+    model._hp_bound = True
+    return model
+
+
+def _outermost_roots(model: nn.Module) -> Iterator[tuple[str, nn.Module, registry.Lowered]]:
+    taken: list[str] = []
+    for name, module in model.named_modules():
+        found = registry.lowered_for(type(module))
+        if found is None or any(name == t or name.startswith(t + ".") for t in taken if t != "") or "" in taken:
+            continue
+        taken.append(name)
+        yield name, module, found[0]
+
+
+def glob_regex(pattern: str) -> re.Pattern[str]:
+    """FQN glob: ``*`` is one path segment, ``**`` any number of segments."""
+    parts = []
+    for segment in pattern.split("."):
+        if segment == "**":
+            parts.append(r"[^.]+(?:\.[^.]+)*")
+        else:
+            parts.append(fnmatch.translate(segment).replace(r"(?s:", "(?:").rstrip(r"\Z").replace(".*", "[^.]*"))
+    return re.compile(r"\.".join(parts) + r"\Z")
+
+
+def _strip_prefix(root: nn.Module) -> str | None:
+    """``model.`` when ``root`` is the base model itself (``LlamaModel`` rather than ``...ForCausalLM``)."""
+    prefix = getattr(root, "base_model_prefix", None)
+    if prefix and not isinstance(getattr(root, prefix, None), nn.Module):
+        return prefix + "."
+    return None
+
+
+def _matchers(plan: ModulePlan, root: nn.Module) -> list[tuple[re.Pattern[str], Contract]]:
+    strip = _strip_prefix(root)
+    found = []
+    for contract in plan.contracts:
+        pattern = contract.pattern
+        if strip and pattern.startswith(strip):
+            pattern = pattern[len(strip):]
+        found.append((glob_regex(pattern), contract))
+    return found
+
+
+def _bind_root(root: nn.Module, lowered: registry.Lowered) -> None:
+    plan = lowered.plan
+    mesh = get_mesh(dict(plan.mesh))
+    groups = {axis: mesh.group(axis) for axis in plan.mesh}
+    _check_ranks_agree(lowered, root)
+    matchers = _matchers(plan, root)
+    bound: list[tuple[str, nn.Module, Contract]] = []
+    for fqn, module in root.named_modules():
+        hits = [c for regex, c in matchers if regex.match(fqn)]
+        if len(hits) > 1:
+            raise ShardingError(
+                f"{fqn}: matches the contracts {[c.pattern for c in hits]}; make the plan's patterns disjoint"
+            )
+        if hits:
+            bound.append((fqn, module, hits[0]))
+        elif "_hp_form" in type(module).__dict__ or hasattr(type(module), "_hp_form"):
+            module._hp_b = None  # a lowered class, used here outside any contract
+    for fqn, module, contract in bound:
+        _bind_boundary(fqn, module, contract, plan, groups)
+    _install_grad_sums(bound, groups)
+
+
+def _bind_boundary(fqn: str, module: nn.Module, contract: Contract, plan: ModulePlan, groups: dict[str, Group]) -> None:
+    sharded_axes = frozenset(
+        axis for placements in contract.params.values() for axis, p in placements.items() if p.is_shard
+    )
+    replicas = kv_replicas(fqn, module, contract, groups)
+    _shard_params(fqn, module, contract, groups, replicas)
+    fit_attention_heads(fqn, module, contract, groups, replicas)
+    binding = Binding(
+        fqn=fqn,
+        contract=contract,
+        groups=groups,
+        in_ops=compile_ops(contract, groups, sharded_axes, entry=True),
+        out_ops=compile_ops(contract, groups, sharded_axes, entry=False),
+        deferred_biases=_defer_biases(fqn, module, contract),
+        compute=_local_compute(fqn, plan),
+    )
+    if hasattr(type(module), "_hp_form") and not contract.skip_source_lowering:
+        module._hp_b = binding
+    else:
+        leaves.install(module, binding, plan)
+
+
+def _local_compute(fqn: str, plan: ModulePlan):
+    """The ``local_compute_fn`` of an injection matching ``fqn`` (region form), imported."""
+    for injection in plan.injections:
+        target = injection.get("local_compute_fn")
+        if target and glob_regex(str(injection.get("match", ""))).match(fqn):
+            module_name, _, attr = str(target).rpartition(".")
+            try:
+                return getattr(importlib.import_module(module_name), attr)
+            except (ImportError, AttributeError) as exc:
+                raise ShardingError(
+                    f"{fqn}: injection local_compute_fn={target!r} cannot be imported ({exc}); "
+                    "give a dotted path to an importable function"
+                ) from exc
+    return None
+
+
+def _params_matching(module: nn.Module, name: str) -> list[tuple[str, nn.Parameter]]:
+    if not any(ch in name for ch in "*?["):
+        param = _get_param(module, name)
+        return [] if param is None else [(name, param)]
+    regex = glob_regex(name)
+    return [(n, p) for n, p in module.named_parameters() if regex.match(n)]
+
+
+def _get_param(module: nn.Module, name: str) -> nn.Parameter | None:
+    owner_name, _, leaf = name.rpartition(".")
+    try:
+        owner = module.get_submodule(owner_name) if owner_name else module
+    except AttributeError:
+        return None
+    return owner._parameters.get(leaf)
+
+
+def _shard_params(fqn: str, module: nn.Module, contract: Contract, groups: dict[str, Group], replicas: dict[str, int]) -> None:
+    for name, placements in sorted(contract.params.items()):
+        params = _params_matching(module, name)
+        if not params and not name.endswith("bias"):
+            raise ShardingError(
+                f"{fqn}: the plan shards parameter {name!r} but the module has none "
+                f"(it has {sorted(n for n, _ in module.named_parameters())[:8]}); fix the plan's params"
+            )
+        for pname, param in params:
+            for axis, placement in placements.items():
+                if not placement.is_shard or axis not in groups:
+                    continue
+                full = f"{fqn}.{pname}" if fqn else pname
+                spec = make_spec(full, param.data, placement, groups[axis], replicas=replicas.get(pname, 1))
+                shard_parameter(param, spec)
+
+
+def _defer_biases(fqn: str, module: nn.Module, contract: Contract) -> tuple[nn.Parameter, ...]:
+    biases = []
+    for name in contract.deferred_bias_params:
+        owner_name = name.rpartition(".")[0]
+        param = _get_param(module, name)
+        if param is None:
+            continue  # the model was built without this bias (e.g. attention_bias=False)
+        owner = module.get_submodule(owner_name) if owner_name else module
+        leaves.suppress_bias(owner)
+        biases.append(param)
+    return tuple(biases)
+
+
+def _install_grad_sums(bound: list[tuple[str, nn.Module, Contract]], groups: dict[str, Group]) -> None:
+    """Replicated parameters whose gradient is a partial sum over tp get it all-reduced in backward."""
+    claimed = {id(p) for fqn, m, c in bound if c.params for p in m.parameters()}
+    for fqn, module, contract in bound:
+        group = groups.get("tp")
+        if group is None or group.size == 1:
+            continue
+        for name in contract.grad_sum_params:
+            if name in ("*", "**"):
+                params = [p for p in module.parameters() if id(p) not in claimed]
+            else:
+                params = [p for _, p in _params_matching(module, name)]
+            for param in params:
+                if getattr(param, "_hp_grad_sum", False) or getattr(param, "_hp_shard", None) is not None:
+                    continue
+                param.register_hook(_grad_sum_hook(group))
+                param._hp_grad_sum = True
+
+
+def _grad_sum_hook(group: Group):
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()
+        collectives.all_reduce_(grad, group)
+        return grad
+
+    return hook
+
+
+def _check_ranks_agree(lowered: registry.Lowered, root: nn.Module) -> None:
+    """Every rank must have lowered the same plan and source: fail loudly instead of hanging later."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    mine = (lowered.module, lowered.plan.plan_hash[:16], lowered.plan.hash[:16], lowered.source_sha256[:16])
+    everyone: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    differ = [(rank, other) for rank, other in enumerate(everyone) if other != mine]
+    if differ:
+        raise ShardingError(
+            f"{type(root).__qualname__}: rank {dist.get_rank()} lowered {mine} (module, plan hash, slice hash, "
+            f"source sha256) but ranks {[r for r, _ in differ]} lowered {[o for _, o in differ]}; activate the same "
+            "plan on every rank and install the same transformers version everywhere"
+        )

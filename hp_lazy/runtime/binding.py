@@ -1,0 +1,125 @@
+"""Per-instance bindings: what a lowered forward reads from ``self._hp_b``.
+
+A :class:`Binding` holds the groups of the mesh axes, the deferred biases, and the compiled entry
+and exit ops of the instance's contract (used by the generic form and by leaves; the static form
+writes its ops inline and only reads the groups).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import torch
+from torch import nn
+
+from hp_lazy.errors import ShardingError
+from hp_lazy.lower.classify import transition_op
+from hp_lazy.plan.model import Contract
+from hp_lazy.plan.placement import AXES
+from hp_lazy.runtime import collectives
+from hp_lazy.runtime.mesh import Group
+
+TensorOp = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _output_index(key: str) -> int:
+    return 0 if key == "output" else int(key.split(".", 1)[1])
+
+
+def compile_ops(
+    contract: Contract, groups: Mapping[str, Group], sharded_axes: frozenset[str], *, entry: bool
+) -> dict[Any, tuple[TensorOp, ...]]:
+    """name (entry) or output index (exit) -> the ops that move it from src to dst, axis by axis."""
+    src_side, dst_side = ("in_src", "in_dst") if entry else ("out_src", "out_dst")
+    names = sorted(set(getattr(contract, src_side)) | set(getattr(contract, dst_side)))
+    ops: dict[Any, tuple[TensorOp, ...]] = {}
+    for name in names:
+        chain = []
+        axes = [axis for axis in AXES if axis in groups]  # entry in mesh order, exit reversed
+        for axis in axes if entry else reversed(axes):
+            group = groups[axis]
+            src = contract.placement(src_side, name, axis)
+            dst = contract.placement(dst_side, name, axis)
+            op = transition_op(
+                src, dst, entering_sharded=entry and axis in sharded_axes, where=f"{contract.pattern}: {name}"
+            )
+            if op is not None:
+                chain.append(_bind_op(op, group))
+        if chain:
+            ops[name if entry else _output_index(name)] = tuple(chain)
+    return ops
+
+
+def _bind_op(op: Any, group: Group) -> TensorOp:
+    fn = getattr(collectives, op.call)
+    dims = tuple(op.dims)
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        return fn(x, group, *dims)
+
+    run.__qualname__ = f"{op.call}{dims or ''}@{group.axis}"
+    return run
+
+
+@dataclass(eq=False, kw_only=True)
+class Binding:
+    """What one boundary instance needs at run time."""
+
+    fqn: str
+    contract: Contract
+    groups: Mapping[str, Group]
+    in_ops: Mapping[str, tuple[TensorOp, ...]] = field(default_factory=dict)
+    out_ops: Mapping[int, tuple[TensorOp, ...]] = field(default_factory=dict)
+    deferred_biases: tuple[nn.Parameter, ...] = ()
+    compute: Callable[..., Any] | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        # ``_hp_b.tp`` / ``_hp_b.tp_enable`` in lowered code
+        groups = self.__dict__.get("groups", {})
+        if name in groups:
+            return groups[name]
+        if name.endswith("_enable") and name[: -len("_enable")] in groups:
+            return groups[name[: -len("_enable")]].size > 1
+        if name.endswith("_enable"):
+            return False
+        raise AttributeError(f"{self.__dict__.get('fqn', '?')}: binding has no attribute {name!r}")
+
+    def enter(self, name: str, value: Any) -> Any:
+        for op in self.in_ops.get(name, ()):
+            value = op(value)
+        return value
+
+    def exit(self, outputs: Any) -> Any:
+        if not self.out_ops:
+            return outputs
+        if isinstance(outputs, tuple):
+            items = list(outputs)
+            for index, chain in self.out_ops.items():
+                if index >= len(items):
+                    raise ShardingError(
+                        f"{self.fqn}: the contract places output.{index} but forward returned "
+                        f"{len(items)} values; fix the plan's out_src/out_dst keys"
+                    )
+                items[index] = _run(chain, items[index])
+            if 0 in self.out_ops:
+                items[0] = add_deferred_bias(items[0], self)
+            return type(outputs)(items) if type(outputs) is tuple else type(outputs)(*items)
+        if set(self.out_ops) - {0}:
+            raise ShardingError(
+                f"{self.fqn}: the contract places tuple positions {sorted(self.out_ops)} but forward "
+                f"returned a single {type(outputs).__name__}; use the key 'output'"
+            )
+        return add_deferred_bias(_run(self.out_ops[0], outputs), self)
+
+
+def _run(chain: tuple[TensorOp, ...], value: Any) -> Any:
+    for op in chain:
+        value = op(value)
+    return value
+
+
+def add_deferred_bias(x: torch.Tensor, binding: Binding) -> torch.Tensor:
+    for bias in binding.deferred_biases:
+        x = x + bias
+    return x

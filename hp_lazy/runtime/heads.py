@@ -1,0 +1,112 @@
+"""Attention head counts under tp: which K/V projections must be replicated, and the cached
+counts a module keeps (``num_key_value_groups`` and friends) after its projections are sharded.
+
+Attention code that reshapes with ``-1`` needs nothing; a module that caches a head count gets it
+divided here. With ``num_key_value_heads`` < tp, each K/V head is kept on ``tp / kv`` ranks
+(those whose query heads use it) and its gradient is summed over them.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+from torch import nn
+
+from hp_lazy.errors import ShardingError
+from hp_lazy.plan.model import Contract
+from hp_lazy.runtime import collectives
+from hp_lazy.runtime.mesh import Group
+
+_HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_heads")
+_KV_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads")
+
+
+def _head_counts(module: nn.Module) -> tuple[int, int, int] | None:
+    config = getattr(module, "config", None)
+    heads = getattr(config, "num_attention_heads", None)
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(module, "head_dim", None) or getattr(config, "head_dim", None)
+    if not isinstance(heads, int) or not isinstance(kv, int) or not isinstance(head_dim, int):
+        return None
+    return heads, kv, head_dim
+
+
+def _tp_sharded_rows(contract: Contract) -> list[str]:
+    return [
+        name for name, placements in contract.params.items()
+        if (p := placements.get("tp")) is not None and p.kind == "S" and p.dim == 0
+    ]
+
+
+def kv_replicas(fqn: str, module: nn.Module, contract: Contract, groups: Mapping[str, Group]) -> dict[str, int]:
+    """Parameter name -> how many tp ranks share each of its row blocks (K/V heads when tp > kv)."""
+    group = groups.get("tp")
+    counts = _head_counts(module)
+    if group is None or group.size == 1 or counts is None or not _tp_sharded_rows(contract):
+        return {}
+    heads, kv, head_dim = counts
+    tp = group.size
+    if heads % tp:
+        choices = sorted(d for d in range(1, heads + 1) if heads % d == 0)
+        raise ShardingError(f"{fqn}: num_attention_heads={heads} is not divisible by tp={tp}; use tp in {choices}")
+    if kv == heads or kv % tp == 0:
+        return {}
+    if tp % kv:
+        choices = sorted({d for d in range(1, kv + 1) if kv % d == 0} | {m for m in range(kv, heads + 1, kv) if heads % m == 0})
+        raise ShardingError(
+            f"{fqn}: num_key_value_heads={kv} is not divisible by tp={tp} and tp is not a multiple of it; "
+            f"use tp in {choices}"
+        )
+    replicas: dict[str, int] = {}
+    for name in _tp_sharded_rows(contract):
+        param = _param(module, name)
+        if param is not None and param.shape[0] == kv * head_dim:
+            replicas[name] = tp // kv
+            param.register_hook(_replica_grad_sum(group, tp // kv))
+    return replicas
+
+
+def _param(module: nn.Module, name: str) -> nn.Parameter | None:
+    owner, _, leaf = name.rpartition(".")
+    try:
+        return (module.get_submodule(owner) if owner else module)._parameters.get(leaf)
+    except AttributeError:
+        return None
+
+
+def _replica_grad_sum(group: Group, replicas: int):
+    """Sum a replicated K/V shard's gradient over the ranks holding the same head.
+
+    Each rank puts its gradient in its head's slot of a zero stack; one all-reduce over tp sums
+    every slot at once (no extra process groups)."""
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        stack = grad.new_zeros((group.size // replicas, *grad.shape))
+        stack[group.rank // replicas] = grad
+        collectives.all_reduce_(stack, group)
+        return stack[group.rank // replicas]
+
+    return hook
+
+
+def fit_attention_heads(
+    fqn: str, module: nn.Module, contract: Contract, groups: Mapping[str, Group], replicas: Mapping[str, int]
+) -> None:
+    """Divide the head counts an attention module caches by tp (K/V: 1 head when replicated)."""
+    group = groups.get("tp")
+    counts = _head_counts(module)
+    if group is None or group.size == 1 or counts is None or not _tp_sharded_rows(contract):
+        return
+    heads, kv, _ = counts
+    tp = group.size
+    local_heads = heads // tp
+    local_kv = 1 if replicas else kv // tp
+    for attr in _HEAD_ATTRS:
+        if isinstance(getattr(module, attr, None), int):
+            setattr(module, attr, local_heads)
+    for attr in _KV_ATTRS:
+        if isinstance(getattr(module, attr, None), int):
+            setattr(module, attr, local_kv)
+    if isinstance(getattr(module, "num_key_value_groups", None), int):
+        module.num_key_value_groups = local_heads // local_kv

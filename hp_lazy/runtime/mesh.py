@@ -1,0 +1,184 @@
+"""Process groups and the device mesh.
+
+The mesh spans the launcher's world (torchrun env) with named axes, outermost first, in the order
+``("dp", "cp", "ep", "tp")``, restricted to the axes whose degree is above 1; ``tp`` is innermost,
+so a tp group is a run of consecutive ranks. ``dp`` is whatever the other degrees leave:
+``dp = world / (cp * ep * tp)``.
+
+Building a mesh is a collective (``init_device_mesh`` creates sub-groups): every rank must call
+:func:`get_mesh` with the same degrees, in the same order relative to other collectives. At world
+size 1 with every degree 1 no process group is needed and none is created.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Mapping
+
+import torch
+import torch.distributed as dist
+
+from hp_lazy.errors import ShardingError
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.distributed.device_mesh import DeviceMesh
+
+AXES: tuple[str, ...] = ("dp", "cp", "ep", "tp")
+"""Mesh axes, outermost first."""
+
+_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+_MESHES: dict[tuple[tuple[str, int], ...], "Mesh"] = {}
+
+
+@dataclass(frozen=True)
+class Group:
+    """One mesh axis as seen by this rank: its process group, size and rank within the axis.
+
+    ``pg`` is ``None`` exactly when ``size == 1`` (every collective is then a no-op).
+    """
+
+    axis: str
+    pg: ProcessGroup | None
+    size: int
+    rank: int
+
+    @classmethod
+    def solo(cls, axis: str) -> Group:
+        """The group of an axis of degree 1: this rank alone, no process group."""
+        return cls(axis=axis, pg=None, size=1, rank=0)
+
+
+def ensure_process_group(wanted: int = 1) -> int:
+    """Initialise the default process group from the torchrun env if none exists; return the world size.
+
+    Backend: nccl when CUDA is available (the device is set from ``LOCAL_RANK``), gloo otherwise.
+    Without a process group and without the env, returns 1 when ``wanted == 1`` and raises a
+    :class:`ShardingError` when ``wanted > 1`` processes are needed.
+    """
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    missing = [name for name in _ENV if name not in os.environ]
+    if missing:
+        if wanted > 1:
+            raise ShardingError(
+                f"hp_lazy mesh: {wanted} processes are needed but no process group exists and the "
+                f"launcher env is incomplete (missing {', '.join(missing)}); launch with "
+                f"`torchrun --nproc-per-node {wanted} script.py` or call "
+                "torch.distributed.init_process_group() before hp_lazy"
+            )
+        return 1
+    if not dist.is_available():
+        raise ShardingError(
+            "hp_lazy mesh: torch.distributed is not available in this torch build; install a torch "
+            "build with distributed support"
+        )
+    _init_from_env()
+    return dist.get_world_size()
+
+
+def _init_from_env() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend="nccl")
+    else:
+        dist.init_process_group(backend="gloo")
+
+
+def mesh_shape(degrees: Mapping[str, int], world: int) -> tuple[tuple[str, int], ...]:
+    """The mesh axes in use with their sizes, outermost first, ``dp`` derived from ``world``.
+
+    ``{"tp": 2}`` at world 8 -> ``(("dp", 4), ("tp", 2))``. Axes of degree 1 are left out.
+    """
+    _check_degrees(degrees)
+    others = {axis: int(n) for axis, n in degrees.items() if axis != "dp"}
+    product = math.prod(others.values())
+    spelled = " * ".join(f"{a}={n}" for a, n in others.items()) or "1"
+    if "dp" in degrees:
+        if product * int(degrees["dp"]) != world:
+            raise ShardingError(
+                f"hp_lazy mesh {dict(degrees)}: dp={degrees['dp']} * {spelled} = "
+                f"{product * int(degrees['dp'])} does not equal the world size {world}; leave dp out "
+                f"(it is derived as world / {product}) or launch {product * int(degrees['dp'])} processes"
+            )
+        dp = int(degrees["dp"])
+    else:
+        if world % product:
+            raise ShardingError(
+                f"hp_lazy mesh {dict(degrees)}: the product of the degrees {spelled} = {product} does "
+                f"not divide the world size {world}; launch a multiple of {product} processes "
+                f"(e.g. --nproc-per-node {product}) or choose degrees whose product divides {world}"
+            )
+        dp = world // product
+    sizes = {**others, "dp": dp}
+    return tuple((axis, sizes[axis]) for axis in AXES if sizes.get(axis, 1) > 1)
+
+
+def _check_degrees(degrees: Mapping[str, int]) -> None:
+    for axis, n in degrees.items():
+        if axis not in AXES:
+            raise ShardingError(
+                f"hp_lazy mesh {dict(degrees)}: axis {axis!r} is unknown; use axes from {AXES}"
+            )
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ShardingError(
+                f"hp_lazy mesh {dict(degrees)}: {axis}={n!r} is not a positive integer; use e.g. {axis}=2"
+            )
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """The named axes over the world; ``device_mesh`` is ``None`` when every axis has size 1."""
+
+    shape: tuple[tuple[str, int], ...]
+    world: int
+    device_mesh: DeviceMesh | None = field(default=None, compare=False)
+
+    def degree(self, axis: str) -> int:
+        """Size of ``axis`` (1 for an axis not in the mesh)."""
+        return dict(self.shape).get(axis, 1)
+
+    def group(self, axis: str) -> Group:
+        """This rank's group along ``axis``; :meth:`Group.solo` for an axis of size 1."""
+        if axis not in AXES:
+            raise ShardingError(f"hp_lazy mesh: axis {axis!r} is unknown; use one of {AXES}")
+        if self.degree(axis) == 1 or self.device_mesh is None:
+            return Group.solo(axis)
+        pg = self.device_mesh.get_group(axis)
+        return Group(axis=axis, pg=pg, size=self.degree(axis), rank=self.device_mesh.get_local_rank(axis))
+
+
+def get_mesh(degrees: Mapping[str, int]) -> Mesh:
+    """The mesh for ``degrees`` (e.g. ``{"tp": 2}``) over the world, built once per degrees.
+
+    Initialises the default process group from the env when the degrees need more than one
+    process (see :func:`ensure_process_group`). Every rank must call it with the same degrees.
+    """
+    _check_degrees(degrees)
+    wanted = math.prod(int(n) for n in degrees.values())
+    world = ensure_process_group(wanted)
+    key = (*sorted((a, int(n)) for a, n in degrees.items()), ("world", world))
+    mesh = _MESHES.get(key)
+    if mesh is None:
+        mesh = _build(mesh_shape(degrees, world), world)
+        _MESHES[key] = mesh
+    return mesh
+
+
+def _build(shape: tuple[tuple[str, int], ...], world: int) -> Mesh:
+    if not shape:
+        return Mesh(shape=shape, world=world)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    device_mesh = init_device_mesh(
+        device_type, tuple(n for _, n in shape), mesh_dim_names=tuple(a for a, _ in shape)
+    )
+    return Mesh(shape=shape, world=world, device_mesh=device_mesh)
+
+
+def clear_mesh_cache() -> None:
+    """Forget the built meshes (after ``destroy_process_group``; tests)."""
+    _MESHES.clear()

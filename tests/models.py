@@ -1,0 +1,96 @@
+"""Tiny transformers models for parity tests: built from config objects with fixed random
+weights, saved with ``save_pretrained`` and loaded back, so the real loading path runs."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+VOCAB = 128
+
+CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", {}),
+    "llama_bias": ("LlamaConfig", {"attention_bias": True, "mlp_bias": True}),
+    "llama_tied": ("LlamaConfig", {"tie_word_embeddings": True}),
+    # tp=4 > num_key_value_heads=2: each K/V head lives on two ranks
+    "llama_gqa": ("LlamaConfig", {"num_key_value_heads": 2}),
+    "qwen3": ("Qwen3Config", {"head_dim": 8}),
+}
+
+BASE = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    max_position_embeddings=64,
+    tie_word_embeddings=False,
+)
+
+
+def build(name: str, root: str, seed: int = 0) -> str:
+    """Save model ``name`` under ``root/name`` (once) and return its directory."""
+    import torch
+    import transformers
+
+    path = os.path.join(root, name)
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    config_cls, extra = CONFIGS[name]
+    config = getattr(transformers, config_cls)(**{**BASE, **extra})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # visible biases and norm weights, so a dropped one shows
+        for pname, param in model.named_parameters():
+            if pname.endswith("bias") or "norm" in pname:
+                param.normal_(mean=1.0 if "norm" in pname else 0.0, std=0.2)
+    model.save_pretrained(path)
+    return path
+
+
+def batch(seed: int = 1, batch_size: int = 2, seq: int = 16):
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (batch_size, seq), generator=gen)
+
+
+def run_training(model, ids, *, steps: int = 3, lr: float = 0.1, weight_decay: float = 0.01,
+                 full_grads=None, full_state_dict=None) -> dict[str, Any]:
+    """One fwd+bwd (logits, loss, grads), then ``steps`` SGD steps with weight decay."""
+    import torch
+
+    grads_of = full_grads or (lambda m: {n: p.grad.detach().clone() for n, p in m.named_parameters() if p.grad is not None})
+    state_of = full_state_dict or (lambda m: {k: v.detach().clone() for k, v in m.state_dict().items()})
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    result = {"logits": out.logits.detach().clone(), "loss": out.loss.detach().clone(), "grads": grads_of(model)}
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, weight_decay=weight_decay)
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.detach().clone())
+    result["losses"] = torch.stack(losses)
+    result["state"] = state_of(model)
+    return result
+
+
+def reference(path: str, ids) -> dict[str, Any]:
+    """The same run in this process, without hp_lazy."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return run_training(model, ids)
+
+
+def rel_err(a, b) -> float:
+    import torch
+
+    a, b = a.double(), b.double()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))

@@ -1,0 +1,78 @@
+"""Worker-side functions and checks shared by the parity test modules.
+
+Workers run these in a :class:`dist.DistPool`; the main pytest process computes the
+single-process reference with plain transformers and compares.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import models
+
+TOL = 1e-5
+
+
+def activate(rank: int, world: int, plan: str, tp: int, sequence_parallel: bool) -> None:
+    import hp_lazy
+
+    hp_lazy.activate(plan, tp=tp, sequence_parallel=sequence_parallel)
+
+
+def _load(path: str):
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+
+def train(rank: int, world: int, path: str, ids) -> dict[str, Any]:
+    """The parity run on every rank; rank 0 returns the full tensors."""
+    import hp_lazy
+
+    model = _load(path)
+    result = models.run_training(model, ids, full_grads=hp_lazy.full_grads, full_state_dict=hp_lazy.full_state_dict)
+    return result if rank == 0 else {"loss": result["loss"], "logits": result["logits"]}
+
+
+def count(rank: int, world: int, path: str, ids) -> dict[str, dict[str, int]]:
+    """Collectives of one forward and one backward, after the model is bound."""
+    import hp_lazy
+
+    model = hp_lazy.parallelize(_load(path))
+    with hp_lazy.collective_counter() as counter:
+        model(input_ids=ids, labels=ids).loss.backward()
+    return {phase: counter.by_phase(phase) for phase in ("forward", "backward")}
+
+
+def train_with_broken_entry(rank: int, world: int, path: str, ids) -> dict[str, Any]:
+    """Negative control: the lowered entry op (copy_to) dropped from every boundary."""
+    import hp_lazy.runtime.rt as rt
+
+    original = rt.copy_to
+    rt.copy_to = lambda x, group: x
+    try:
+        return train(rank, world, path, ids)
+    finally:
+        rt.copy_to = original
+
+
+def compare(got: dict[str, Any], ref: dict[str, Any]) -> dict[str, float]:
+    """Relative max errors: logits, loss, every gradient, the losses of the SGD steps and every
+    parameter after them. Raises AssertionError naming what differs."""
+    errors = {
+        "logits": models.rel_err(got["logits"], ref["logits"]),
+        "loss": models.rel_err(got["loss"], ref["loss"]),
+        "losses": models.rel_err(got["losses"], ref["losses"]),
+    }
+    assert set(got["grads"]) == set(ref["grads"]), set(got["grads"]) ^ set(ref["grads"])
+    assert set(got["state"]) == set(ref["state"]), set(got["state"]) ^ set(ref["state"])
+    for name, grad in ref["grads"].items():
+        assert got["grads"][name].shape == grad.shape, (name, got["grads"][name].shape, grad.shape)
+        errors[f"grad {name}"] = models.rel_err(got["grads"][name], grad)
+    for name, value in ref["state"].items():
+        errors[f"param {name}"] = models.rel_err(got["state"][name], value)
+    bad = {k: v for k, v in errors.items() if not v <= TOL}
+    assert not bad, f"relative errors above {TOL}: {bad}"
+    return errors

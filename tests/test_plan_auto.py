@@ -1,0 +1,260 @@
+"""``Plan.auto``: transformers' TP plan strings -> hp_lazy contracts, on real modeling sources."""
+
+from __future__ import annotations
+
+import os
+import textwrap
+
+import pytest
+
+from hp_lazy.errors import PlanError
+from hp_lazy.plan import Plan, auto as auto_mod
+from hp_lazy.plan.auto import auto_contracts
+
+transformers = pytest.importorskip("transformers")
+MODELS = os.path.join(os.path.dirname(transformers.__file__), "models")
+
+
+def source(family: str) -> tuple[str, str]:
+    with open(os.path.join(MODELS, family, f"modeling_{family}.py"), encoding="utf-8") as handle:
+        return f"transformers.models.{family}.modeling_{family}", handle.read()
+
+
+def contracts(family: str, **flags) -> dict[str, dict]:
+    found = auto_contracts(*source(family), **flags)
+    assert found is not None
+    return {c.pattern: c.to_dict() for c in found}
+
+
+R, P = {"tp": "R"}, {"tp": "P(sum)"}
+EMBED = {
+    "in_src": {"input": R}, "in_dst": {"input": R}, "out_src": {"output": P}, "out_dst": {"output": R},
+    "params": {"weight": {"tp": "S(0)"}},
+}
+LM_HEAD = {
+    "in_src": {"input": R}, "in_dst": {"input": R},
+    "out_src": {"output": {"tp": "S(-1)"}}, "out_dst": {"output": R},
+    "params": {"weight": {"tp": "S(0)"}, "bias": {"tp": "S(0)"}},
+}
+
+
+def colwise(*names: str) -> dict:
+    return {f"{n}.{p}": {"tp": "S(0)"} for n in names for p in ("weight", "bias")}
+
+
+def test_llama_contracts() -> None:
+    got = contracts("llama", tp=2)
+    assert got == {
+        "lm_head": LM_HEAD,
+        "model.embed_tokens": EMBED,
+        "model.layers.*.self_attn": {
+            "in_src": {"hidden_states": R}, "in_dst": {"hidden_states": R},
+            "out_src": {"output": P}, "out_dst": {"output": R},
+            "params": {**colwise("q_proj", "k_proj", "v_proj"), "o_proj.weight": {"tp": "S(1)"}},
+            "deferred_bias_params": ["o_proj.bias"],
+        },
+        "model.layers.*.mlp": {
+            "in_src": {"x": R}, "in_dst": {"x": R}, "out_src": {"output": P}, "out_dst": {"output": R},
+            "params": {**colwise("gate_proj", "up_proj"), "down_proj.weight": {"tp": "S(1)"}},
+            "deferred_bias_params": ["down_proj.bias"],
+        },
+    }
+
+
+def test_llama_slice_classes_and_roots() -> None:
+    sliced = Plan.auto(tp=2).slice(*source("llama"))
+    assert sliced is not None
+    assert sliced.classes == {
+        "lm_head": "torch.nn.Linear",
+        "model.embed_tokens": "torch.nn.Embedding",
+        "model.layers.*.mlp": "LlamaMLP",
+        "model.layers.*.self_attn": "LlamaAttention",
+    }
+    assert sliced.roots == (
+        "LlamaModel", "LlamaForCausalLM", "LlamaForSequenceClassification",
+        "LlamaForQuestionAnswering", "LlamaForTokenClassification",
+    )
+    assert sliced.hash != Plan.auto(tp=4).slice(*source("llama")).hash
+
+
+def test_qwen3_norms_between_colwise_and_rowwise_sum_their_grads() -> None:
+    attn = contracts("qwen3")["model.layers.*.self_attn"]
+    assert attn["grad_sum_params"] == ["k_norm.*", "q_norm.*"]
+    assert "q_norm.weight" not in attn["params"]
+
+
+def test_phi3_gathered_colwise_and_split_rowwise_become_leaf_contracts() -> None:
+    got = contracts("phi3")
+    assert got["model.layers.*.self_attn.qkv_proj"] == {**LM_HEAD}
+    assert got["model.layers.*.mlp.gate_up_proj"] == {**LM_HEAD}
+    assert got["model.layers.*.mlp.down_proj"] == {
+        "in_src": {"input": R}, "in_dst": {"input": {"tp": "S(-1)"}},
+        "out_src": {"output": P}, "out_dst": {"output": R},
+        "params": {"weight": {"tp": "S(1)"}}, "deferred_bias_params": ["bias"],
+    }
+    assert "model.layers.*.mlp" not in got
+
+
+def test_sequence_parallel_variant() -> None:
+    got = contracts("llama", sequence_parallel=True)
+    assert got["model.layers"] == {
+        "in_src": {"input": R}, "in_dst": {"input": {"tp": "S(1)"}},
+        "out_src": {"output": {"tp": "S(1)"}}, "out_dst": {"output": R},
+        "grad_sum_params": ["*"],
+    }
+    attn = got["model.layers.*.self_attn"]
+    assert attn["in_src"] == {"hidden_states": {"tp": "S(1)"}} and attn["in_dst"] == {"hidden_states": R}
+    assert attn["out_src"] == {"output": P} and attn["out_dst"] == {"output": {"tp": "S(1)"}}
+    sliced = Plan.auto(tp=2, sequence_parallel=True).slice(*source("llama"))
+    assert sliced.classes["model.layers"] == "torch.nn.ModuleList"
+
+
+def test_loss_parallel_keeps_logits_vocab_sharded() -> None:
+    assert contracts("llama", loss_parallel=True)["lm_head"]["out_dst"] == {"output": {"tp": "S(-1)"}}
+    assert contracts("llama")["lm_head"]["out_dst"] == {"output": R}
+
+
+def test_sequence_parallel_rejects_per_linear_gathers() -> None:
+    with pytest.raises(PlanError) as info:
+        contracts("phi3", sequence_parallel=True)
+    assert str(info.value).startswith(
+        "transformers.models.phi3.modeling_phi3: Phi3Config.base_model_tp_plan['layers.*.self_attn.qkv_proj'] = "
+        "'colwise_gather_output' puts a per-Linear gather/split inside a layer, which sequence_parallel cannot wrap"
+    )
+
+
+@pytest.mark.parametrize("family,config", [("qwen3_moe", "Qwen3MoeConfig"), ("deepseek_v3", "DeepseekV3Config")])
+def test_moe_families_fail_with_a_clear_error(family: str, config: str) -> None:
+    with pytest.raises(PlanError) as info:
+        Plan.auto(tp=2).slice(*source(family))
+    assert str(info.value) == (
+        f"transformers.models.{family}.modeling_{family}: {config}.base_model_tp_plan['layers.*.mlp.experts'] = "
+        "'moe_tp_experts' is not a style Plan.auto translates (it handles colwise/packed_colwise -> rowwise pairs, "
+        "replicated_with_grad_allreduce, colwise_gather_output, rowwise_split_input and embedding_rowwise); "
+        "write an explicit JSON plan for this module (Plan.from_json) instead of Plan.auto"
+    )
+
+
+def test_modules_without_a_tp_plan_are_not_sliced() -> None:
+    assert Plan.auto(tp=2).slice(*source("bert")) is None
+    assert auto_contracts("mypkg.modeling_llama", source("llama")[1]) is None
+    assert Plan.auto(tp=2).slice("transformers.models.llama.configuration_llama", "") is None
+
+
+TOY = "transformers.models.toy.modeling_toy"
+TOY_SOURCE = textwrap.dedent(
+    '''
+    import torch
+    from torch import nn
+    from ...modeling_utils import PreTrainedModel
+
+    class Experts(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate_up_proj = nn.Parameter(torch.empty(4, 16, 8))
+            self.down_proj = nn.Parameter(torch.empty(4, 8, 8))
+
+        def forward(self, hidden, idx):
+            return hidden
+
+    class BaseMLP(nn.Module):
+        def forward(self, hidden_states):
+            return self.down_proj(self.gate_up_proj(hidden_states))
+
+    class MLP(BaseMLP):
+        def __init__(self):
+            super().__init__()
+            self.gate_up_proj = nn.Linear(8, 16)
+            self.down_proj = nn.Linear(8, 8)
+            self.experts = Experts()
+
+    class Orphan(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(8, 8)
+            self.b = nn.Linear(8, 8)
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mlp = MLP()
+            self.orphan = Orphan()
+
+        def forward(self, h):
+            return self.mlp(h)
+
+    class ToyPreTrainedModel(PreTrainedModel):
+        base_model_prefix = "model"
+
+    class ToyModel(ToyPreTrainedModel):
+        def __init__(self, config):
+            super().__init__(config)
+            self.layers = nn.ModuleList([Layer() for _ in range(2)])
+
+        def forward(self, ids):
+            return ids
+
+    class ToyForCausalLM(ToyPreTrainedModel):
+        def __init__(self, config):
+            super().__init__(config)
+            self.model = ToyModel(config)
+    '''
+)
+
+
+def toy(monkeypatch: pytest.MonkeyPatch, plan: dict, **flags) -> dict[str, dict]:
+    monkeypatch.setattr(auto_mod, "_config_plans", lambda module, facts: [("ToyConfig", plan)])
+    return {c.pattern: c.to_dict() for c in auto_contracts(TOY, TOY_SOURCE, **flags)}
+
+
+def toy_error(monkeypatch: pytest.MonkeyPatch, plan: dict, **flags) -> str:
+    with pytest.raises(PlanError) as info:
+        toy(monkeypatch, plan, **flags)
+    return str(info.value)
+
+
+def test_packed_colwise_and_raw_expert_params(monkeypatch: pytest.MonkeyPatch) -> None:
+    got = toy(monkeypatch, {
+        "layers.*.mlp.gate_up_proj": "packed_colwise", "layers.*.mlp.down_proj": "rowwise",
+    })
+    assert got["model.layers.*.mlp"]["params"] == {
+        "gate_up_proj.weight": {"tp": "SS(0,2)"}, "gate_up_proj.bias": {"tp": "SS(0,2)"},
+        "down_proj.weight": {"tp": "S(1)"},
+    }
+    assert got["model.layers.*.mlp"]["in_src"] == {"hidden_states": R}  # forward of a same-module base
+    got = toy(monkeypatch, {
+        "layers.*.mlp.experts.gate_up_proj": "packed_colwise", "layers.*.mlp.experts.down_proj": "rowwise",
+    })
+    assert got["model.layers.*.mlp.experts"]["params"] == {
+        "gate_up_proj": {"tp": "SS(-2,2)"}, "down_proj": {"tp": "S(-1)"},
+    }
+    assert got["model.layers.*.mlp.experts"]["in_src"] == {"hidden": R}
+
+
+def test_colwise_without_rowwise_sibling(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert toy_error(monkeypatch, {"layers.*.mlp.gate_up_proj": "colwise"}) == (
+        f"{TOY}: ToyConfig.base_model_tp_plan['layers.*.mlp.gate_up_proj'] = 'colwise' has no rowwise sibling under "
+        "'layers.*.mlp', so no module encloses a colwise -> rowwise pair; write an explicit JSON plan for this "
+        "module (Plan.from_json) instead of Plan.auto"
+    )
+
+
+def test_enclosing_module_without_forward(monkeypatch: pytest.MonkeyPatch) -> None:
+    text = toy_error(monkeypatch, {"layers.*.orphan.a": "colwise", "layers.*.orphan.b": "rowwise"})
+    assert "['layers.*.orphan.a'] = 'colwise' needs the input of class 'Orphan', but no forward" in text
+
+
+def test_nested_boundaries_are_rejected(monkeypatch: pytest.MonkeyPatch) -> None:
+    text = toy_error(monkeypatch, {
+        "layers.*.mlp.gate_up_proj": "colwise", "layers.*.mlp.down_proj": "rowwise",
+        "layers.*.mlp.experts.gate_up_proj": "colwise", "layers.*.mlp.experts.down_proj": "rowwise",
+    })
+    assert "contract 'model.layers.*.mlp.experts' (ToyConfig.base_model_tp_plan) lies inside contract " \
+           "'model.layers.*.mlp'" in text
+
+
+def test_unknown_styles_name_key_and_string(monkeypatch: pytest.MonkeyPatch) -> None:
+    text = toy_error(monkeypatch, {"layers.*.mlp": "local_params"})
+    assert text.startswith(f"{TOY}: ToyConfig.base_model_tp_plan['layers.*.mlp'] = 'local_params' is not a style")
+    text = toy_error(monkeypatch, {"layers.*.mlp.experts": "mla_kv_a_proj"})
+    assert "'mla_kv_a_proj' is not a style Plan.auto translates" in text
