@@ -44,7 +44,7 @@ def build(name: str, root: str, seed: int = 0) -> str:
     with torch.no_grad():  # visible biases and norm weights, so a dropped one shows
         for pname, param in model.named_parameters():
             if pname.endswith("bias") or "norm" in pname:
-                param.normal_(mean=1.0 if "norm" in pname else 0.0, std=0.2)
+                param.normal_(mean=1.0 if "norm" in pname else 0.0, std=0.1 if "norm" in pname else 0.02)
     model.save_pretrained(path)
     return path
 

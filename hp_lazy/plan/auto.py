@@ -28,6 +28,7 @@ from __future__ import annotations
 import importlib
 import re
 from dataclasses import dataclass
+from typing import NoReturn
 
 from hp_lazy.errors import PlanError
 from hp_lazy.plan.model import Contract
@@ -186,7 +187,7 @@ class _Builder:
             self._containers(grouped, boundaries, rules)
         return tuple(contract_from_dict(p, body, self.mesh) for p, (body, _) in sorted(self.bodies.items()))
 
-    def _fail(self, rule: _Rule, why: str) -> None:
+    def _fail(self, rule: _Rule, why: str) -> NoReturn:
         raise PlanError(f"{self.facts.module}: {rule.owner}[{rule.key!r}] = {rule.style!r} {why}; {FIX}")
 
     def _add(self, pattern: str, body: dict, owner: str) -> None:
@@ -280,7 +281,6 @@ class _Builder:
             self._fail(rule, "is not inside a module that encloses a colwise -> rowwise pair")
         self._fail(rule, f"has no {'rowwise' if rule.style != 'rowwise' else 'colwise'} sibling under "
                    f"{parent or rule.base!r}, so no module encloses a colwise -> rowwise pair")
-        raise AssertionError  # unreachable: _fail raises
 
     def _child(self, rule: _Rule, parent: str, body: dict) -> None:
         rel = rule.key[len(parent) + 1 :] if parent else rule.key

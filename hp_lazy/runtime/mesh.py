@@ -172,7 +172,7 @@ def _build(shape: tuple[tuple[str, int], ...], world: int) -> Mesh:
         return Mesh(shape=shape, world=world)
     from torch.distributed.device_mesh import init_device_mesh
 
-    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    device_type = "cuda" if "nccl" in str(dist.get_backend()) else "cpu"
     device_mesh = init_device_mesh(
         device_type, tuple(n for _, n in shape), mesh_dim_names=tuple(a for a, _ in shape)
     )
