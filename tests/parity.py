@@ -13,6 +13,38 @@ import models
 TOL = 1e-5
 
 
+class References:
+    """Single-process reference runs, computed once per model in the pytest process."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self._cache: dict[str, dict[str, Any]] = {}
+
+    def __call__(self, name: str) -> tuple[str, dict[str, Any]]:
+        path = models.build(name, self.root)
+        if name not in self._cache:
+            self._cache[name] = models.reference(path, models.batch())
+        return path, self._cache[name]
+
+
+def activated(pool, *, sequence_parallel: bool):
+    """``pool`` with ``hp_lazy.activate("auto", tp=world)`` done on every rank (once)."""
+    if not getattr(pool, "_hp_activated", False):
+        pool.run(activate, "auto", pool.world_size, sequence_parallel)
+        pool._hp_activated = True
+    return pool
+
+
+def check_parity(pool, refs: References, name: str) -> dict[str, float]:
+    path, ref = refs(name)
+    results = pool.run(train, path, models.batch())
+    errors = compare(results[0], ref)
+    for other in results[1:]:  # every rank sees the same full logits and loss
+        assert models.rel_err(other["logits"], ref["logits"]) <= TOL
+        assert models.rel_err(other["loss"], ref["loss"]) <= TOL
+    return errors
+
+
 def activate(rank: int, world: int, plan: str, tp: int, sequence_parallel: bool) -> None:
     import hp_lazy
 

@@ -128,7 +128,7 @@ def _bind_boundary(fqn: str, module: nn.Module, contract: Contract, plan: Module
         groups=groups,
         in_ops=compile_ops(contract, groups, sharded_axes, entry=True),
         out_ops=compile_ops(contract, groups, sharded_axes, entry=False),
-        deferred_biases=_defer_biases(fqn, module, contract),
+        deferred_biases=_defer_biases(fqn, module, contract, groups),
         compute=_local_compute(fqn, plan),
     )
     if hasattr(type(module), "_hp_form") and not contract.skip_source_lowering:
@@ -187,7 +187,14 @@ def _shard_params(fqn: str, module: nn.Module, contract: Contract, groups: dict[
                 shard_parameter(param, spec)
 
 
-def _defer_biases(fqn: str, module: nn.Module, contract: Contract) -> tuple[nn.Parameter, ...]:
+def _defer_biases(
+    fqn: str, module: nn.Module, contract: Contract, groups: dict[str, Group]
+) -> tuple[nn.Parameter, ...]:
+    """Rowwise biases, added once after the reduction. When the reduction scatters (sequence
+    parallel: P(sum) -> S(1)), the bias meets only this rank's tokens, so its gradient is summed
+    over tp."""
+    out = contract.out_dst.get("output", {}).get("tp")
+    sharded_out = out is not None and out.is_shard and "tp" in groups and groups["tp"].size > 1
     biases = []
     for name in contract.deferred_bias_params:
         owner_name = name.rpartition(".")[0]
@@ -196,6 +203,9 @@ def _defer_biases(fqn: str, module: nn.Module, contract: Contract) -> tuple[nn.P
             continue  # the model was built without this bias (e.g. attention_bias=False)
         owner = module.get_submodule(owner_name) if owner_name else module
         leaves.suppress_bias(owner)
+        if sharded_out and not getattr(param, "_hp_grad_sum", False):
+            param.register_hook(_grad_sum_hook(groups["tp"]))
+            param._hp_grad_sum = True
         biases.append(param)
     return tuple(biases)
 
