@@ -15,6 +15,8 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     # tp=4 > num_key_value_heads=2: each K/V head lives on two ranks
     "llama_gqa": ("LlamaConfig", {"num_key_value_heads": 2}),
     "qwen3": ("Qwen3Config", {"head_dim": 8}),
+    # tied weights behind a scaled nn.Embedding subclass
+    "gemma": ("GemmaConfig", {"head_dim": 8, "tie_word_embeddings": True}),
 }
 
 BASE = dict(

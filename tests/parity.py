@@ -28,10 +28,11 @@ class References:
 
 
 def activated(pool, *, sequence_parallel: bool):
-    """``pool`` with ``hp_lazy.activate("auto", tp=world)`` done on every rank (once)."""
-    if not getattr(pool, "_hp_activated", False):
+    """``pool`` with ``hp_lazy.activate("auto", tp=world)`` done on every rank, once per set of
+    workers (a pool restarts its workers after a worker error)."""
+    if getattr(pool, "_hp_activated", None) is not pool._procs or not pool._procs:
         pool.run(activate, "auto", pool.world_size, sequence_parallel)
-        pool._hp_activated = True
+        pool._hp_activated = pool._procs
     return pool
 
 

@@ -195,6 +195,9 @@ def test_env_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert Cache(tmp_path / "arg").root == tmp_path / "arg"
     monkeypatch.setenv("HP_LAZY_CACHE", "RO")
     assert Cache().mode == "ro"
+    monkeypatch.setenv("HP_LAZY_DISABLE_CACHE", "1")
+    assert Cache().mode == "off"
+    monkeypatch.delenv("HP_LAZY_DISABLE_CACHE")
     monkeypatch.setenv("HP_LAZY_CACHE", "sometimes")
     with pytest.raises(PlanError, match=r"HP_LAZY_CACHE='sometimes': must be one of off, ro, rw"):
         Cache()

@@ -23,7 +23,7 @@ miss (logged at debug), never a crash. Writes go to a unique temp file in the sa
 An unusable directory (read-only, not a directory, group/world-writable, foreign-owned) makes the
 cache fall back to memory, logged once.
 
-``HP_LAZY_CACHE=off|ro|rw`` (default ``rw``). PYTHONDONTWRITEBYTECODE / ``-B`` is deliberately
+``HP_LAZY_CACHE=off|ro|rw`` (default ``rw``; ``HP_LAZY_DISABLE_CACHE=1`` = off). PYTHONDONTWRITEBYTECODE / ``-B`` is deliberately
 *not* obeyed: it governs CPython's ``__pycache__`` next to sources, while this cache lives in its
 own directory under its own switch (container images set the variable routinely, which would
 silently turn every import into a miss). Lowered bytecode is never written to ``__pycache__``.
@@ -71,6 +71,9 @@ def default_root() -> Path:
 
 
 def mode_from_env() -> Mode:
+    """``HP_LAZY_CACHE`` (default rw); ``HP_LAZY_DISABLE_CACHE=1`` (DESIGN.md's name) means off."""
+    if os.environ.get("HP_LAZY_DISABLE_CACHE", "0").strip() not in ("", "0"):
+        return "off"
     value = os.environ.get("HP_LAZY_CACHE", "rw").strip().lower() or "rw"
     if value not in _MODES:
         from hp_lazy.errors import PlanError

@@ -236,16 +236,28 @@ class _Builder:
 
     def _embedding(self, rule: _Rule) -> dict:
         name = self._class_of(rule, rule.key)
-        if name != EMBEDDING:
-            self._fail(rule, f"applies to class {name!r}; Plan.auto shards only a plain nn.Embedding")
-        return _EMBEDDING_BODY
+        body = self._embedding_body(name)
+        if body is None:
+            self._fail(rule, f"applies to class {name!r}; Plan.auto shards only nn.Embedding and its subclasses")
+        return body
+
+    def _embedding_body(self, name: str | None) -> dict | None:
+        """nn.Embedding itself, or a local subclass (e.g. a scaled embedding), which is bound at run
+        time as a vocab-parallel leaf rather than rewritten."""
+        if name == EMBEDDING:
+            return _EMBEDDING_BODY
+        if name is not None and name in self.facts.classes and EMBEDDING in self.facts.external_bases(name):
+            return {**_EMBEDDING_BODY, "skip_source_lowering": True}
+        return None
 
     def _implicit_embeddings(self, rules: list[_Rule]) -> None:
         """transformers adds ``embed_tokens: embedding_rowwise`` whenever a TP plan exists."""
         for base, prefix in sorted({(r.base, r.prefix) for r in rules if not r.head}):
             pattern = prefix + "embed_tokens"
-            if pattern not in self.bodies and self.facts.resolve(base, "embed_tokens") == {EMBEDDING}:
-                self._add(pattern, _EMBEDDING_BODY, "embed_tokens (transformers' implicit embedding_rowwise)")
+            found = self.facts.resolve(base, "embed_tokens")
+            body = self._embedding_body(next(iter(found))) if len(found) == 1 else None
+            if pattern not in self.bodies and body is not None:
+                self._add(pattern, body, "embed_tokens (transformers' implicit embedding_rowwise)")
 
     def _boundaries(self, grouped: list[_Rule]) -> list[_Rule]:
         """The parents holding colwise and rowwise children; returns one rule per boundary."""

@@ -23,6 +23,7 @@ from hp_lazy.plan.model import Contract, ModulePlan
 from hp_lazy.runtime import collectives, leaves, registry
 from hp_lazy.runtime.binding import Binding, compile_ops
 from hp_lazy.runtime.heads import fit_attention_heads, kv_replicas
+from hp_lazy.runtime.loss import VocabParallelCausalLMLoss
 from hp_lazy.runtime.mesh import Group, get_mesh
 from hp_lazy.runtime.shard import make_spec, shard_parameter
 
@@ -93,6 +94,16 @@ def _matchers(plan: ModulePlan, root: nn.Module) -> list[tuple[re.Pattern[str], 
     return found
 
 
+def _is_planned_class(module: nn.Module, plan: ModulePlan, contract: Contract) -> bool:
+    """The module is of the class the plan resolved for the pattern (by name, through its MRO:
+    ``torch.nn.Linear`` names ``nn.Linear`` and any subclass)."""
+    wanted = plan.classes.get(contract.pattern)
+    if not wanted:
+        return True
+    short = wanted.rpartition(".")[2]
+    return any(k.__name__ == short for k in type(module).__mro__)
+
+
 def _bind_root(root: nn.Module, lowered: registry.Lowered) -> None:
     plan = lowered.plan
     mesh = get_mesh(dict(plan.mesh))
@@ -101,7 +112,7 @@ def _bind_root(root: nn.Module, lowered: registry.Lowered) -> None:
     matchers = _matchers(plan, root)
     bound: list[tuple[str, nn.Module, Contract]] = []
     for fqn, module in root.named_modules():
-        hits = [c for regex, c in matchers if regex.match(fqn)]
+        hits = [c for regex, c in matchers if regex.match(fqn) and _is_planned_class(module, plan, c)]
         if len(hits) > 1:
             raise ShardingError(
                 f"{fqn}: matches the contracts {[c.pattern for c in hits]}; make the plan's patterns disjoint"
@@ -113,6 +124,7 @@ def _bind_root(root: nn.Module, lowered: registry.Lowered) -> None:
     for fqn, module, contract in bound:
         _bind_boundary(fqn, module, contract, plan, groups)
     _install_grad_sums(bound, groups)
+    _install_parallel_loss(root, bound, groups)
 
 
 def _bind_boundary(fqn: str, module: nn.Module, contract: Contract, plan: ModulePlan, groups: dict[str, Group]) -> None:
@@ -227,6 +239,22 @@ def _install_grad_sums(bound: list[tuple[str, nn.Module, Contract]], groups: dic
                     continue
                 param.register_hook(_grad_sum_hook(group))
                 param._hp_grad_sum = True
+
+
+def _install_parallel_loss(root: nn.Module, bound: list[tuple[str, nn.Module, Contract]], groups: dict[str, Group]) -> None:
+    """A head Linear that keeps its logits vocab-sharded (``output: S(-1)`` after the boundary)
+    needs a loss that works on the shards: the root's ``loss_function`` becomes vocab-parallel."""
+    group = groups.get("tp")
+    for fqn, module, contract in bound:
+        out = contract.out_dst.get("output", {}).get("tp")
+        if group is None or not isinstance(module, nn.Linear) or out is None or not out.is_shard:
+            continue
+        if out.dim != -1 or not hasattr(root, "loss_function"):
+            raise ShardingError(
+                f"{fqn}: output {out} on tp keeps logits vocab-sharded, which needs a transformers model "
+                "whose loss_function hp_lazy can replace; use out_dst 'R' (gathered logits) for this model"
+            )
+        root.loss_function = VocabParallelCausalLMLoss(group, group.rank * module.weight.shape[0])
 
 
 def _grad_sum_hook(group: Group):

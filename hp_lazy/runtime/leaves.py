@@ -67,16 +67,14 @@ def _input_positions(cls: type, binding: Binding) -> tuple[tuple[str, int | None
 
 
 class _VocabParallelEmbedding:
-    """Mixin for ``nn.Embedding`` with rows ``[start, end)`` of the vocabulary on this rank."""
+    """Mixin for an ``nn.Embedding`` (or a subclass whose forward is linear in the lookup, e.g. a
+    scaled embedding) holding rows ``[start, end)`` of the vocabulary: ids of other ranks are
+    looked up as row 0 and zeroed, and the exit op sums the partial results."""
 
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
+    def forward(self, input: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         start, end = self._hp_vocab
         outside = (input < start) | (input >= end)
-        local_ids = (input - start).masked_fill(outside, 0)
-        out = F.embedding(
-            local_ids, self.weight, self._hp_padding_idx, self.max_norm, self.norm_type,
-            self.scale_grad_by_freq, self.sparse,
-        )
+        out = super().forward((input - start).masked_fill(outside, 0), *args, **kwargs)
         return self._hp_b.exit(out.masked_fill(outside.unsqueeze(-1), 0.0))
 
 
@@ -85,8 +83,8 @@ def _install_vocab_parallel(module: nn.Embedding, binding: Binding) -> None:
     rows = module.weight.shape[0]  # already the local shard
     start = group.rank * rows
     module._hp_vocab = (start, start + rows)
-    pad = module.padding_idx
-    module._hp_padding_idx = pad - start if pad is not None and start <= pad < start + rows else None
+    pad = module.padding_idx  # F.embedding skips the gradient of this (now local) row
+    module.padding_idx = pad - start if pad is not None and start <= pad < start + rows else None
     module.__class__ = _subclass(type(module), _VocabParallelEmbedding)
 
 

@@ -1,0 +1,482 @@
+"""Family coverage of ``hp_lazy.activate("auto", tp=2)``: tensor-parallel parity on every
+transformers family whose configuration declares ``base_model_tp_plan``.
+
+Per family, in fresh processes (activation must precede the modeling import):
+
+1. a clean process (no hp_lazy) builds a tiny config, picks the model class
+   (``AutoModelForCausalLM`` where mapped, else ``AutoModelForSeq2SeqLM``, else ``AutoModel`` with a
+   loss on its last hidden state), saves it with ``save_pretrained``, loads it back and runs one
+   forward + backward: the reference logits (or hidden states), loss and every gradient;
+2. two gloo ranks (127.0.0.1, ``GLOO_SOCKET_IFNAME=lo``, ``OMP_NUM_THREADS=1``) activate
+   ``hp_lazy.activate("auto", tp=2)``, load the same directory, ``hp_lazy.parallelize`` it, run the
+   same step and gather the full gradients (``hp_lazy.full_grads``);
+3. the driver compares (relative max error <= 1e-5) and classifies the family:
+   ``pass`` / ``fail`` (the exception's first line, or the worst tensor and its error) /
+   ``unsupported`` (``Plan.auto`` raises a PlanError: the HF string it cannot honour yet) /
+   ``skipped`` (no tiny config could be built or run without hp_lazy, with why).
+
+    python benchmarks/coverage.py [--families llama,qwen3] [--jobs 1] [--timeout 300] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import glob
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any
+
+TOL = 1e-5
+STATUSES = ("pass", "fail", "unsupported", "skipped")
+_FIX_MARK = "instead of Plan.auto"
+
+
+@dataclass(frozen=True)
+class Row:
+    family: str
+    status: str
+    reason: str
+
+
+# -- discovery ---------------------------------------------------------------------------------
+def transformers_dir() -> str:
+    import transformers
+
+    return os.path.dirname(transformers.__file__)
+
+
+def families() -> list[str]:
+    """Families with a configuration_*.py that declares ``base_model_tp_plan``."""
+    found = set()
+    for path in glob.glob(os.path.join(transformers_dir(), "models", "*", "configuration_*.py")):
+        with open(path, encoding="utf-8") as f:
+            if "base_model_tp_plan" in f.read():
+                found.add(os.path.basename(os.path.dirname(path)))
+    return sorted(found)
+
+
+def short_plan_error(text: str) -> str:
+    """``'moe_tp_experts' at XConfig.base_model_tp_plan['layers.*.mlp.experts']`` or the short text."""
+    m = re.search(r"(\w+\.(?:base_model_tp_plan|_tp_plan)\[[^\]]+\]) = ('[^']+')", text)
+    if m and "is not a style" in text:
+        return f"{m.group(2)} at {m.group(1)}"
+    text = text.split(": ", 1)[-1] if text.startswith("transformers.") else text
+    return text.split("; write an explicit")[0][:220]
+
+
+def precheck(family: str) -> Row | None:
+    """``Plan.auto``'s verdict on ``modeling_<family>.py`` (pure: no torch, no hook)."""
+    from hp_lazy.errors import PlanError
+    from hp_lazy.plan.auto import auto_contracts
+
+    path = os.path.join(transformers_dir(), "models", family, f"modeling_{family}.py")
+    if not os.path.exists(path):
+        return Row(family, "skipped", f"no modeling_{family}.py in the installed transformers")
+    with open(path, encoding="utf-8") as f:
+        source = f.read()
+    try:
+        contracts = auto_contracts(f"transformers.models.{family}.modeling_{family}", source, tp=2)
+    except PlanError as exc:
+        return Row(family, "unsupported", short_plan_error(str(exc)))
+    if not contracts:
+        return Row(family, "skipped", "Plan.auto derives no contract for the module")
+    return None
+
+
+# -- tiny configs ------------------------------------------------------------------------------
+SHRINK: dict[str, Any] = dict(
+    vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=8, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    # MoE / MLA / linear attention / mamba / gpt-style / vision / audio
+    num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+    shared_expert_intermediate_size=64, n_shared_experts=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
+    qk_nope_head_dim=8, v_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+    linear_value_head_dim=8, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1, mamba_d_ssm=64,
+    mamba_chunk_size=8, n_inner=64, rotary_dim=4, depth=2, num_heads=4, embed_dim=32, out_hidden_size=32,
+    d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+    encoder_ffn_dim=64, decoder_ffn_dim=64, num_layers=2, hidden_dim=32, projection_dim=32, text_hidden_size=32,
+    vision_hidden_size=32, mm_hidden_size=32, intermediate_size_mlp=64, global_head_dim=8, kv_channels=8,
+    hidden_size_per_layer_input=8, vocab_size_per_layer_input=128, altup_num_inputs=2, laurel_rank=8,
+    num_kv_shared_layers=0, attention_chunk_size=8,
+)
+_INDEX_LIST = re.compile(r"(idx|indices|index|layers|_ids)$")
+
+
+def _defaults(cls: type) -> dict[str, Any]:
+    return cls().to_dict()
+
+
+def _layer_selection(default: dict[str, Any]) -> list[int] | None:
+    """Old layer indices to keep: the first layer of each distinct ``layer_types`` kind (2..4)."""
+    types, old = default.get("layer_types"), default.get("num_hidden_layers")
+    if not isinstance(types, list) or not types:
+        return None
+    first: dict[str, int] = {}
+    for i, kind in enumerate(types):
+        first.setdefault(str(kind), i)
+    sel = sorted(first.values())[:4]
+    if len(sel) < 2:
+        sel = [i for i in range(len(types))][:2]
+    return sel if isinstance(old, int) else None
+
+
+def shrunk_kwargs(cls: type) -> dict[str, Any]:
+    """Keyword arguments for ``cls`` (a config class): SHRINK where the config has the field,
+    per-layer lists cut to the kept layers, nested sub-configs shrunk the same way."""
+    default = _defaults(cls)
+    amap = dict(getattr(cls, "attribute_map", {}) or {})
+    out: dict[str, Any] = {}
+    for key, value in SHRINK.items():
+        target = amap.get(key, key)
+        if target in default and default[target] is not None or key in ("head_dim", "pad_token_id"):
+            if target in default:
+                out[target] = value
+    sel = _layer_selection(default)
+    old_n = default.get(amap.get("num_hidden_layers", "num_hidden_layers"))
+    if sel is not None:
+        out["num_hidden_layers"] = len(sel)
+        for key, value in default.items():
+            if isinstance(value, list) and len(value) == old_n and not _INDEX_LIST.search(key):
+                out[key] = [value[i] for i in sel]
+    n = out.get("num_hidden_layers", 2)
+    keep = sel or list(range(n))
+    for key, value in default.items():
+        if isinstance(value, list) and value and all(isinstance(v, int) for v in value) and _INDEX_LIST.search(key):
+            out[key] = [keep.index(v) for v in value if v in keep]
+    for key in ("sliding_window", "attention_window"):
+        if isinstance(default.get(key), int):
+            out[key] = 8
+    rope = default.get("rope_parameters")
+    if isinstance(rope, dict) and "mrope_section" in rope:
+        out["rope_parameters"] = {**rope, "mrope_section": [2, 1, 1]}
+    for name, sub in (getattr(cls, "sub_configs", None) or {}).items():
+        if isinstance(sub, type):
+            try:
+                out[name] = {**_defaults(sub), **shrunk_kwargs(sub)}
+            except Exception:  # noqa: BLE001 - an AutoConfig placeholder: leave its default
+                pass
+    return out
+
+
+def _config_classes(family: str) -> list[type]:
+    import importlib
+
+    found = []
+    for path in sorted(glob.glob(os.path.join(transformers_dir(), "models", family, "configuration_*.py"))):
+        name = f"transformers.models.{family}.{os.path.basename(path)[:-3]}"
+        module = importlib.import_module(name)
+        found += [v for v in vars(module).values()
+                  if isinstance(v, type) and v.__module__ == name and isinstance(getattr(v, "model_type", None), str)
+                  and getattr(v, "model_type", "")]
+    return found
+
+
+def pick_model(family: str) -> tuple[type, str, str]:
+    """(config class, Auto class name, mode): causal LM where mapped, else seq2seq LM, else AutoModel."""
+    from transformers.models.auto import configuration_auto as ca
+    from transformers.models.auto import modeling_auto as ma
+
+    classes = _config_classes(family)
+    planned = [c for c in classes if getattr(c, "base_model_tp_plan", None)]
+    tops = [c for c in classes if ca.CONFIG_MAPPING_NAMES.get(c.model_type) == c.__name__]
+    order = [
+        (planned, ma.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, "AutoModelForCausalLM", "lm"),
+        (tops, ma.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, "AutoModelForCausalLM", "lm"),
+        (tops, ma.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES, "AutoModelForSeq2SeqLM", "seq2seq"),
+        (tops, ma.MODEL_MAPPING_NAMES, "AutoModel", "hidden"),
+        (planned, ma.MODEL_MAPPING_NAMES, "AutoModel", "hidden"),
+    ]
+    for candidates, mapping, auto, mode in order:
+        for cls in candidates:
+            if cls.model_type in mapping:
+                return cls, auto, mode
+    raise RuntimeError(f"no Auto class maps a config of {family} ({[c.__name__ for c in classes]})")
+
+
+def build_model(family: str, workdir: str) -> tuple[str, str]:
+    """Save a tiny model of ``family`` in ``workdir`` (config, weights, meta.json)."""
+    import torch
+    import transformers
+
+    cls, auto, mode = pick_model(family)
+    config = cls(**shrunk_kwargs(cls))
+    torch.manual_seed(0)
+    model = getattr(transformers, auto).from_config(config)
+    with torch.no_grad():  # visible biases and norm weights, so a dropped one shows
+        for name, param in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                param.normal_(mean=1.0 if "norm" in name else 0.0, std=0.1 if "norm" in name else 0.02)
+    model.save_pretrained(workdir)
+    with open(os.path.join(workdir, "meta.json"), "w", encoding="utf-8") as f:
+        json.dump({"auto": auto, "mode": mode, "config": cls.__name__, "model": type(model).__name__}, f)
+    return auto, mode
+
+
+# -- child processes ---------------------------------------------------------------------------
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
+
+
+def _write_error(path: str, exc: BaseException) -> None:
+    from hp_lazy.errors import PlanError
+
+    kind = "plan" if isinstance(exc, PlanError) and _FIX_MARK in str(exc) else "error"
+    reason = short_plan_error(str(exc)) if kind == "plan" else _first_line(exc)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump({"kind": kind, "reason": reason}, f)
+
+
+def _step(model: Any, mode: str) -> tuple[Any, Any]:
+    """One forward + backward on fixed ids: (logits or last hidden state, loss)."""
+    import torch
+
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    if mode == "hidden":
+        kwargs = {"decoder_input_ids": ids} if getattr(model.config, "is_encoder_decoder", False) else {}
+        out = model(input_ids=ids, **kwargs)
+        hidden = out[0]
+        weight = torch.randn(hidden.shape[-1], generator=torch.Generator().manual_seed(2))
+        loss = (hidden.float() * weight).mean()
+    else:
+        kwargs = {"decoder_input_ids": ids} if mode == "seq2seq" else {}
+        out = model(input_ids=ids, labels=ids, **kwargs)
+        hidden, loss = out.logits, out.loss
+    loss.backward()
+    return hidden.detach().clone(), loss.detach().clone()
+
+
+def child_reference(family: str, workdir: str) -> None:
+    """Clean process: build, save, reload, reference step."""
+    import torch
+    import transformers
+
+    torch.set_num_threads(1)
+    try:
+        auto, mode = build_model(family, workdir)
+    except Exception as exc:  # noqa: BLE001 - any failure to build is a "skipped"
+        return _write_error(os.path.join(workdir, "skip.json"), exc)
+    try:
+        torch.manual_seed(0)
+        model = getattr(transformers, auto).from_pretrained(workdir, dtype=torch.float32)
+        out, loss = _step(model, mode)
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    except Exception as exc:  # noqa: BLE001
+        return _write_error(os.path.join(workdir, "skip.json"), exc)
+    torch.save({"out": out, "loss": loss, "grads": grads}, os.path.join(workdir, "ref.pt"))
+
+
+def child_rank(family: str, workdir: str) -> None:
+    """One of the two ranks, with hp_lazy active before transformers is imported."""
+    rank = int(os.environ["RANK"])
+    try:
+        import hp_lazy
+
+        hp_lazy.activate("auto", tp=2)
+        import datetime
+
+        import torch
+        import torch.distributed as tdist
+
+        torch.set_num_threads(1)
+        tdist.init_process_group("gloo", timeout=datetime.timedelta(seconds=90))
+        import transformers
+
+        with open(os.path.join(workdir, "meta.json"), encoding="utf-8") as f:
+            meta = json.load(f)
+        torch.manual_seed(0)
+        model = getattr(transformers, meta["auto"]).from_pretrained(workdir, dtype=torch.float32)
+        hp_lazy.parallelize(model)
+        sharded = sum(getattr(p, "_hp_shard", None) is not None for p in model.parameters())
+        total = sum(1 for _ in model.parameters())
+        out, loss = _step(model, meta["mode"])
+        grads = hp_lazy.full_grads(model)
+    except BaseException as exc:  # noqa: BLE001
+        _write_error(os.path.join(workdir, f"err{rank}.json"), exc)
+        raise
+    torch.save({"out": out, "loss": loss, "grads": grads, "sharded": sharded, "total": total},
+               os.path.join(workdir, f"got{rank}.pt"))
+
+
+# -- driver ------------------------------------------------------------------------------------
+def _env(**extra: str) -> dict[str, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "TOKENIZERS_PARALLELISM": "false"}
+    env.update(extra)
+    return env
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _spawn(role: str, family: str, workdir: str, env: dict[str, str], log: str) -> subprocess.Popen:
+    with open(log, "w", encoding="utf-8") as out:
+        return subprocess.Popen([sys.executable, os.path.abspath(__file__), f"--_{role}", family, workdir],
+                                env=env, stdout=out, stderr=subprocess.STDOUT, cwd=workdir)
+
+
+def _wait(procs: list[subprocess.Popen], deadline: float) -> bool:
+    """Wait for every process; on the deadline kill the ones still running. True if all ended."""
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+            return False
+    return True
+
+
+def _read_error(path: str) -> dict[str, str] | None:
+    if not os.path.exists(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _log_tail(path: str) -> str:
+    with open(path, encoding="utf-8", errors="replace") as f:
+        lines = [ln for ln in f.read().strip().splitlines() if ln.strip()]
+    return lines[-1][:300] if lines else "no output"
+
+
+def run_family(family: str, timeout: float) -> Row:
+    row = precheck(family)
+    if row is not None:
+        return row
+    with tempfile.TemporaryDirectory(prefix=f"hpcov_{family}_") as workdir:
+        return _run_in(family, workdir, timeout)
+
+
+def _run_in(family: str, workdir: str, timeout: float) -> Row:
+    deadline = time.monotonic() + timeout
+    ref_log = os.path.join(workdir, "ref.log")
+    if not _wait([_spawn("ref", family, workdir, _env(), ref_log)], deadline):
+        return Row(family, "skipped", f"reference run timed out after {timeout:.0f}s")
+    skip = _read_error(os.path.join(workdir, "skip.json"))
+    if skip is not None or not os.path.exists(os.path.join(workdir, "ref.pt")):
+        return Row(family, "skipped", skip["reason"] if skip else f"reference crashed: {_log_tail(ref_log)}")
+    port = str(_free_port())
+    procs = [
+        _spawn("rank", family, workdir, _env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2",
+                                             MASTER_ADDR="127.0.0.1", MASTER_PORT=port),
+               os.path.join(workdir, f"rank{r}.log"))
+        for r in range(2)
+    ]
+    finished = _wait(procs, deadline)
+    errors = [e for e in (_read_error(os.path.join(workdir, f"err{r}.json")) for r in range(2)) if e]
+    plan_errors = [e for e in errors if e["kind"] == "plan"]
+    if plan_errors:
+        return Row(family, "unsupported", plan_errors[0]["reason"])
+    if errors:
+        return Row(family, "fail", errors[0]["reason"])
+    if not finished:
+        return Row(family, "fail", f"timed out after {timeout:.0f}s (a rank hung in a collective?)")
+    missing = [r for r in range(2) if not os.path.exists(os.path.join(workdir, f"got{r}.pt"))]
+    if missing:
+        return Row(family, "fail", f"rank {missing[0]} crashed: {_log_tail(os.path.join(workdir, f'rank{missing[0]}.log'))}")
+    return _compare(family, workdir)
+
+
+def rel_err(a: Any, b: Any) -> float:
+    import torch
+
+    a, b = a.double(), b.double()
+    if a.shape != b.shape:
+        return float("inf")
+    return float(torch.nan_to_num((a - b).abs().max() / b.abs().max().clamp_min(1e-12), nan=float("inf")))
+
+
+def _compare(family: str, workdir: str) -> Row:
+    import torch
+
+    ref = torch.load(os.path.join(workdir, "ref.pt"))
+    worst: tuple[float, str] = (0.0, "")
+    for r in range(2):
+        got = torch.load(os.path.join(workdir, f"got{r}.pt"))
+        errs = {"logits/hidden": rel_err(got["out"], ref["out"]), "loss": rel_err(got["loss"], ref["loss"])}
+        if r == 0:
+            diff = set(got["grads"]) ^ set(ref["grads"])
+            if diff:
+                return Row(family, "fail", f"gradient sets differ: {sorted(diff)[:3]}")
+            errs.update({f"grad {n}": rel_err(got["grads"][n], g) for n, g in ref["grads"].items()})
+        name, err = max(errs.items(), key=lambda kv: kv[1])
+        worst = max(worst, (err, f"rank {r} {name}"))
+        if r == 0:
+            share = f"{got['sharded']}/{got['total']} params sharded"
+    if worst[0] > TOL:
+        return Row(family, "fail", f"{worst[1]}: rel err {worst[0]:.2e}")
+    if share.startswith("0/"):
+        return Row(family, "fail", f"parity holds but nothing was sharded ({share})")
+    return Row(family, "pass", f"{share}, max rel err {worst[0]:.1e}")
+
+
+# -- report ------------------------------------------------------------------------------------
+def render(rows: list[Row]) -> str:
+    counts = {s: sum(r.status == s for r in rows) for s in STATUSES}
+    lines = [
+        "# hp_lazy `activate(\"auto\", tp=2)` coverage",
+        "",
+        f"transformers families whose configuration declares `base_model_tp_plan`: {len(rows)}; "
+        + ", ".join(f"{s} {n}" for s, n in counts.items()) + ".",
+        "",
+        "Tiny configs (hidden 32, 2-4 layers, 4 heads, 2 kv heads, vocab 128), 2 gloo ranks on CPU; "
+        "logits (or last hidden state), loss and every gradient vs one process, relative max error "
+        f"<= {TOL:g}. Generated by `python benchmarks/coverage.py --out benchmarks/coverage.md`.",
+        "",
+        "| family | status | reason |",
+        "|---|---|---|",
+    ]
+    for row in rows:
+        lines.append(f"| {row.family} | {row.status} | {row.reason.replace('|', '/')} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--families", default="", help="comma-separated family names (default: all)")
+    parser.add_argument("--jobs", type=int, default=1, help="families run at once (default 1)")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per family")
+    parser.add_argument("--out", default="", help="write the markdown table here")
+    parser.add_argument("--_ref", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--_rank", nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args._ref:
+        child_reference(*args._ref)
+        return 0
+    if args._rank:
+        child_rank(*args._rank)
+        return 0
+    names = [f for f in args.families.split(",") if f] or families()
+    rows: dict[str, Row] = {}
+    with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        futures = {pool.submit(run_family, name, args.timeout): name for name in names}
+        for future in concurrent.futures.as_completed(futures):
+            name = futures[future]
+            try:
+                rows[name] = future.result()
+            except Exception as exc:  # noqa: BLE001 - a driver bug must not lose the other rows
+                rows[name] = Row(name, "fail", f"driver: {_first_line(exc)}")
+            print(f"{name}: {rows[name].status} — {rows[name].reason}", file=sys.stderr, flush=True)
+    table = render([rows[n] for n in names])
+    print(table)
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            f.write(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,144 @@
+"""Run-time behaviour around parity: checkpoints from shards, eager and idempotent binding,
+the errors a user meets (unbound model, ranks that lowered different code, head counts)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import models
+import parity
+from dist import DistPool, WorkerError, pool_fixture
+
+pool2 = pool_fixture(2, timeout=120)
+
+
+@pytest.fixture
+def pool(pool2: DistPool) -> DistPool:
+    return parity.activated(pool2, sequence_parallel=False)
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("runtime"))
+
+
+def _save_full(rank: int, world: int, path: str, out: str) -> list[int]:
+    import hp_lazy
+
+    model = hp_lazy.parallelize(parity._load(path))
+    full = hp_lazy.full_state_dict(model)
+    if rank == 0:
+        model.save_pretrained(out, state_dict=full)
+    return list(model.lm_head.weight.shape)
+
+
+def test_full_state_dict_saves_a_checkpoint_the_plain_model_loads(pool: DistPool, root: str) -> None:
+    import transformers
+
+    path = models.build("llama_bias", root)
+    out = os.path.join(root, "saved")
+    shapes = pool.run(_save_full, path, out)
+    assert shapes == [[models.VOCAB // 2, 32]] * 2  # the ranks really held shards
+    original = transformers.AutoModelForCausalLM.from_pretrained(path).state_dict()
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).state_dict()
+    assert original.keys() == reloaded.keys()
+    for name, tensor in original.items():
+        assert torch.equal(tensor, reloaded[name]), name
+
+
+def _parallelize_twice(rank: int, world: int, path: str) -> dict:
+    import hp_lazy
+
+    model = parity._load(path)
+    before = {n: id(p) for n, p in model.named_parameters()}
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    hp_lazy.parallelize(model)
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    hp_lazy.parallelize(model)
+    ids = models.batch()
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()  # the optimizer built before sharding steps the shards
+    return {
+        "same_objects": before == {n: id(p) for n, p in model.named_parameters()},
+        "stable": shapes == {n: tuple(p.shape) for n, p in model.named_parameters()},
+        "q_rows": shapes["model.layers.0.self_attn.q_proj.weight"][0],
+        "num_key_value_groups": model.model.layers[0].self_attn.num_key_value_groups,
+    }
+
+
+def test_parallelize_is_eager_idempotent_and_keeps_parameter_objects(pool: DistPool, root: str) -> None:
+    got = pool.run(_parallelize_twice, models.build("llama", root))
+    assert got == [{"same_objects": True, "stable": True, "q_rows": 16, "num_key_value_groups": 1}] * 2
+
+
+def _unbound_attention(rank: int, world: int, path: str) -> str:
+    import transformers
+    from transformers.models.llama import modeling_llama
+
+    config = transformers.AutoConfig.from_pretrained(path)
+    attention = modeling_llama.LlamaAttention(config, layer_idx=0)
+    try:
+        attention(torch.zeros(1, 4, 32), (torch.ones(1, 4, 8), torch.zeros(1, 4, 8)), None)
+    except Exception as exc:  # noqa: BLE001
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def test_unbound_lowered_forward_names_the_call_to_make(pool: DistPool, root: str) -> None:
+    text = pool.run(_unbound_attention, models.build("llama", root))[0]
+    assert text.startswith("ShardingError: transformers.models.llama.modeling_llama.LlamaAttention: ")
+    assert "call hp_lazy.parallelize(model) on the top-level model" in text
+
+
+def _mismatched_source(rank: int, world: int, path: str) -> None:
+    import dataclasses
+
+    from hp_lazy.runtime import registry
+
+    parity._load(path)  # imports (and lowers) modeling_llama
+    name = "transformers.models.llama.modeling_llama"
+    entry = registry.lookup(name)
+    try:
+        if rank == 1:
+            registry._LOWERED[name] = dataclasses.replace(entry, source_sha256="f" * 64)
+        import hp_lazy
+
+        hp_lazy.parallelize(parity._load(path))
+    finally:
+        registry._LOWERED[name] = entry
+
+
+def test_ranks_that_lowered_different_source_fail_instead_of_hanging(pool: DistPool, root: str) -> None:
+    with pytest.raises(WorkerError) as info:
+        pool.run(_mismatched_source, models.build("llama", root))
+    text = str(info.value)
+    assert "rank 0 raised" in text and "rank 1 raised" in text
+    assert "(module, plan hash, slice hash, source sha256) but ranks [1] lowered" in text
+    assert "activate the same plan on every rank" in text
+
+
+def _load_kv3(rank: int, world: int, path: str) -> str:
+    import hp_lazy
+
+    try:
+        hp_lazy.parallelize(parity._load(path))
+    except hp_lazy.ShardingError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_kv_heads_that_tp_cannot_split_or_replicate(pool: DistPool, root: str) -> None:
+    import transformers
+
+    path = os.path.join(root, "kv3")
+    config = transformers.LlamaConfig(**{**models.BASE, "num_attention_heads": 6, "num_key_value_heads": 3,
+                                         "hidden_size": 48})
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    text = pool.run(_load_kv3, path)[0]
+    assert text == (
+        "model.layers.0.self_attn: num_key_value_heads=3 is not divisible by tp=2 and tp is not a multiple "
+        "of it; use tp in [1, 3, 6]"
+    )
