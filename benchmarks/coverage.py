@@ -155,7 +155,7 @@ def shrunk_kwargs(cls: type) -> dict[str, Any]:
         if isinstance(default.get(key), int):
             out[key] = 8
     rope = default.get("rope_parameters")
-    if isinstance(rope, dict) and "mrope_section" in rope:
+    if isinstance(rope, dict) and ("mrope_section" in rope or "mrope_section" in getattr(cls, "ignore_keys_at_rope_validation", ())):
         out["rope_parameters"] = {**rope, "mrope_section": [2, 1, 1]}
     for name, sub in (getattr(cls, "sub_configs", None) or {}).items():
         if isinstance(sub, type):

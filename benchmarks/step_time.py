@@ -276,6 +276,7 @@ def worker(job: dict[str, Any]) -> None:
 
     torch.set_num_threads(1)
     transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     data = torch.load(job["inputs"])
@@ -416,6 +417,7 @@ def build_checkpoint(name: str, root: str) -> tuple[str, str]:
     import torch
     import transformers
 
+    transformers.utils.logging.disable_progress_bar()
     spec = MODELS[name]
     model_dir, inputs = os.path.join(root, name), os.path.join(root, f"{name}_inputs.pt")
     torch.manual_seed(0)
@@ -468,7 +470,7 @@ def counts_text(c: dict[str, Any] | None) -> str:
     if "hp_lazy" in c:
         own = c["hp_lazy"]
         text += "; own counter: " + "; ".join(
-            f"{ph[:3]} " + ", ".join(f"{k} {n}" for k, n in ops.items()) for ph, ops in own.items() if ops)
+            f"{ph[0]}wd " + ", ".join(f"{k} {n}" for k, n in ops.items()) for ph, ops in own.items() if ops)
     return text
 
 

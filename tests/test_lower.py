@@ -225,6 +225,9 @@ def fake_rt(monkeypatch: pytest.MonkeyPatch) -> FakeRuntime:
     pkg.rt = rt  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "hp_lazy.runtime", pkg)
     monkeypatch.setitem(sys.modules, "hp_lazy.runtime.rt", rt)
+    import hp_lazy  # ``import hp_lazy.runtime.rt as x`` reads the attribute chain when it is set
+
+    monkeypatch.setattr(hp_lazy, "runtime", pkg, raising=False)
     return rt
 
 
