@@ -316,32 +316,40 @@ def interleave(variants: list[str], models: dict[str, Loaded], fns: dict[str, Ca
     """Per variant and kind, this rank's seconds per step in each round (warm-up rounds dropped)."""
     import torch.distributed as dist
 
-    def timed(v: str, fn: Callable[[Any], None]) -> float:
+    def timed(v: str, fn: Callable[[Any], None]) -> tuple[float, float]:
         dist.barrier()
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         if not (v == "ref_solo" and rank != 0):
             for _ in range(job["steps"]):
                 fn(models[v].model)
-        dt = (time.perf_counter() - t) / job["steps"]
+        dt, dc = time.perf_counter() - t, time.process_time() - c
         dist.barrier()
-        return dt
+        return dt / job["steps"], dc / job["steps"]
 
-    rec: dict[str, dict[str, list[float]]] = {v: {k: [] for k in fns} for v in variants}
+    rec: dict[str, dict[str, list[float]]] = {v: {k: [] for k in (*fns, "cpu")} for v in variants}
     for r in range(job["warmup"] + job["rounds"]):
         order = variants[r % len(variants):] + variants[:r % len(variants)]
         for kind, fn in fns.items():
             for v in order:
-                dt = timed(v, fn)
+                dt, dc = timed(v, fn)
                 if r >= job["warmup"]:
                     rec[v][kind].append(dt)
+                    if kind == "step":
+                        rec[v]["cpu"].append(dc)
     return rec
 
 
 def summarize(variants: list[str], everyone: list[dict], rounds: int) -> dict[str, dict[str, Any]]:
+    """Per round: wall = the slowest rank (rank 0 for ref_solo), cpu = summed over ranks; then medians."""
     out: dict[str, dict[str, Any]] = {}
-    for kind in ("step", "fwd"):
-        per = {v: ([everyone[0][v][kind][i] for i in range(rounds)] if v == "ref_solo"
-                   else [max(r[v][kind][i] for r in everyone) for i in range(rounds)]) for v in variants}
+    for kind in ("step", "fwd", "cpu"):
+        def series(v: str) -> list[float]:
+            if kind == "cpu":
+                return [sum(r[v][kind][i] for r in everyone) for i in range(rounds)]
+            return [(everyone[0] if v == "ref_solo" else max(everyone, key=lambda r: r[v][kind][i]))[v][kind][i]
+                    for i in range(rounds)]
+
+        per = {v: series(v) for v in variants}
         for v in variants:
             def ratio(base: str) -> float | None:
                 return statistics.median(a / b for a, b in zip(per[v], per[base])) if base in per else None
@@ -483,18 +491,18 @@ def render(name: str, res: dict[str, Any]) -> str:
         return head + "run failed:\n\n```\n" + res["error"] + "\n```\n"
     lines = [head + f"{res['rounds']} interleaved rounds at {res['at']}; x = median of per-round ratios "
              "(lower is better)\n",
-             "| variant | fwd+bwd ms (median / min) | x ref_solo | x bare_tp | fwd no-grad ms | x ref_solo "
-             "| collectives per fwd+bwd step | max abs dlogits | max rel dgrad |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| variant | fwd+bwd ms (median / min) | x ref_solo | x bare_tp | fwd+bwd CPU ms, all ranks | x ref_solo "
+             "| fwd no-grad ms | x ref_solo | collectives per fwd+bwd step | max abs dlogits | max rel dgrad |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for v in res["variants"]:
-        s, f_ = res["times"][v]["step"], res["times"][v]["fwd"]
+        s, f_, c = res["times"][v]["step"], res["times"][v]["fwd"], res["times"][v]["cpu"]
         num = res["numerics"].get(v, {})
         grad = fmt(num.get("grad_rel"), "{:.1e}") + (f" missing {num['missing']}" if num.get("missing") else "")
         lines.append(f"| {v} | {s['median_ms']:.1f} / {s['min_ms']:.1f} | {fmt(s['x_ref'])} | {fmt(s['x_bare'])} | "
-                     f"{f_['median_ms']:.1f} | {fmt(f_['x_ref'])} | {counts_text(res['counts'].get(v))} | "
+                     f"{c['median_ms']:.1f} | {fmt(c['x_ref'])} | {f_['median_ms']:.1f} | {fmt(f_['x_ref'])} | {counts_text(res['counts'].get(v))} | "
                      f"{fmt(num.get('dlogits'), '{:.1e}')} | {grad} |")
     for v, why in res["failed"].items():
-        lines.append(f"| {v} | skipped: {why.replace('|', '/')} | | | | | | | |")
+        lines.append(f"| {v} | skipped: {why.replace('|', '/')} |" + " |" * 10)
     return "\n".join(lines) + "\n"
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import ast
 import difflib
-import fnmatch
 import importlib.util
 import sys
 from dataclasses import dataclass
@@ -92,41 +91,21 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def boundary_report(located: Located, module_plan: Any) -> list[str]:
-    """One line per contract: pattern, class, form and reasons (from the lowerer's classify)."""
-    from hp_lazy.lower.classify import classify
-    from hp_lazy.lower.facts import module_facts
+    """One line per contract: pattern, class, form and reasons, decided by the lowerer's own
+    :func:`hp_lazy.lower.boundary_decisions` (the same path ``lower`` takes)."""
+    from hp_lazy.lower import boundary_decisions
 
-    tree = ast.parse(located.source, located.path)
-    facts = module_facts(tree, located.module)
+    decisions = boundary_decisions(located.source, module_plan)
     rows = []
     for contract in module_plan.contracts:
         name = module_plan.classes.get(contract.pattern, "?")
-        cls = facts.cls(name)
-        if contract.skip_source_lowering or cls is None or cls.forward_owner is None:
+        if contract.pattern not in decisions:
             rows.append(f"  {contract.pattern} -> {name}: leaf (bound at run time, source not rewritten)")
             continue
-        forward = _forward_facts(tree, cls.forward_owner)
-        decision = classify(contract, forward, module_plan.mesh,
-                            injection=_injection(module_plan, contract.pattern), toggle=module_plan.toggle)
+        _, decision = decisions[contract.pattern]
         rows.append(f"  {contract.pattern} -> {name}: {decision.form} ({'; '.join(decision.reasons)})")
         rows += [f"      {op.describe()}" for op in (*decision.in_ops, *decision.out_ops)]
     return rows
-
-
-def _forward_facts(tree: ast.Module, owner: str) -> Any:
-    from hp_lazy.lower.facts import find_forward, forward_facts
-
-    node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == owner)
-    return forward_facts(find_forward(node), owner)  # type: ignore[arg-type]
-
-
-def _injection(module_plan: Any, pattern: str) -> Optional[dict[str, object]]:
-    merged: dict[str, object] = {}
-    for rule in module_plan.injections:
-        match = str(rule.get("match", ""))
-        if match == pattern or fnmatch.fnmatchcase(pattern, match):
-            merged.update(rule)
-    return merged or None
 
 
 def cmd_cache(args: argparse.Namespace) -> int:

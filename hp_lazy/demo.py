@@ -84,15 +84,14 @@ def train(path: str, args: argparse.Namespace, data: list, parallel: bool) -> li
     rows = []
     for step, tokens in enumerate(data):
         ids = torch.tensor(tokens)
-        counter = _counter(parallel)
         start = time.perf_counter()
-        with counter:
+        with _counter(parallel) as counter:
             loss = model(input_ids=ids, labels=ids).loss
             loss.backward()
         optimizer.step()
         optimizer.zero_grad()
         rows.append({"loss": loss.item(), "ms": 1e3 * (time.perf_counter() - start),
-                     "collectives": getattr(counter, "total", 0)})
+                     "collectives": counter.total if counter is not None else 0})
     return rows
 
 
@@ -152,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def print_table(parallel: list[dict], solo: list[dict], mode: str) -> None:
-    print(f"\n| step | loss {mode} | loss 1 proc | max diff | ms/step {mode} | ms/step 1 proc | collectives/step |")
+    print(f"\n| step | loss {mode} | loss 1 proc | max diff so far | ms/step {mode} | ms/step 1 proc | collectives/step |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
     worst = 0.0
     for step, (p, s) in enumerate(zip(parallel, solo), 1):
