@@ -50,3 +50,6 @@ def test_collectives_are_megatron_minimal(world: int, refs, pool2: DistPool, poo
     assert counts[0]["forward"] == {"all_reduce": 2 * layers + 1, "all_gather": 1}
     assert counts[0]["backward"] == {"all_reduce": 2 * layers + 1}
     assert all(c == counts[0] for c in counts)
+    path, _ = refs("qwen3")  # + one all-reduce for every q/k norm gradient together
+    counts = _pool(world, pool2, pool4).run(parity.count, path, models.batch())
+    assert counts[0]["backward"] == {"all_reduce": 2 * layers + 2}

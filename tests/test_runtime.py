@@ -142,3 +142,29 @@ def test_kv_heads_that_tp_cannot_split_or_replicate(pool: DistPool, root: str) -
         "model.layers.0.self_attn: num_key_value_heads=3 is not divisible by tp=2 and tp is not a multiple "
         "of it; use tp in [1, 3, 6]"
     )
+
+
+def _accumulate(rank: int, world: int, path: str) -> dict:
+    import hp_lazy
+
+    model = parity._load(path)
+    for seed in (1, 2):  # two micro-batches into the same .grad
+        ids = models.batch(seed=seed)
+        model(input_ids=ids, labels=ids).loss.backward()
+    return hp_lazy.full_grads(model)
+
+
+def test_gradient_accumulation_sums_partial_gradients_once_per_pass(pool: DistPool, root: str) -> None:
+    """Qwen3's q/k norm gradients are partial over tp and summed at the end of each backward pass;
+    accumulating two passes must give the single-process accumulated gradient."""
+    import transformers
+
+    path = models.build("qwen3", root)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(path)
+    for seed in (1, 2):
+        ids = models.batch(seed=seed)
+        reference(input_ids=ids, labels=ids).loss.backward()
+    got = pool.run(_accumulate, path)[0]
+    for name, param in reference.named_parameters():
+        assert models.rel_err(got[name], param.grad) <= parity.TOL, name
+    assert any("q_norm" in name for name in got)

@@ -22,6 +22,7 @@ from hp_lazy.errors import ShardingError
 from hp_lazy.plan.model import Contract, ModulePlan
 from hp_lazy.runtime import collectives, leaves, registry
 from hp_lazy.runtime.binding import Binding, compile_ops
+from hp_lazy.runtime.gradsum import GradSum
 from hp_lazy.runtime.heads import fit_attention_heads, kv_replicas
 from hp_lazy.runtime.loss import VocabParallelCausalLMLoss
 from hp_lazy.runtime.mesh import Group, get_mesh
@@ -121,13 +122,19 @@ def _bind_root(root: nn.Module, lowered: registry.Lowered) -> None:
             bound.append((fqn, module, hits[0]))
         elif "_hp_form" in type(module).__dict__ or hasattr(type(module), "_hp_form"):
             module._hp_b = None  # a lowered class, used here outside any contract
+    tp = groups.get("tp")
+    grad_sum = GradSum(tp) if tp is not None and tp.size > 1 else None
     for fqn, module, contract in bound:
-        _bind_boundary(fqn, module, contract, plan, groups)
-    _install_grad_sums(bound, groups)
+        _bind_boundary(fqn, module, contract, plan, groups, grad_sum)
+    if grad_sum is not None:
+        _install_grad_sums(bound, grad_sum)
     _install_parallel_loss(root, bound, groups)
 
 
-def _bind_boundary(fqn: str, module: nn.Module, contract: Contract, plan: ModulePlan, groups: dict[str, Group]) -> None:
+def _bind_boundary(
+    fqn: str, module: nn.Module, contract: Contract, plan: ModulePlan, groups: dict[str, Group],
+    grad_sum: GradSum | None,
+) -> None:
     sharded_axes = frozenset(
         axis for placements in contract.params.values() for axis, p in placements.items() if p.is_shard
     )
@@ -140,7 +147,7 @@ def _bind_boundary(fqn: str, module: nn.Module, contract: Contract, plan: Module
         groups=groups,
         in_ops=compile_ops(contract, groups, sharded_axes, entry=True),
         out_ops=compile_ops(contract, groups, sharded_axes, entry=False),
-        deferred_biases=_defer_biases(fqn, module, contract, groups),
+        deferred_biases=_defer_biases(fqn, module, contract, groups, grad_sum),
         compute=_local_compute(fqn, plan),
     )
     if hasattr(type(module), "_hp_form") and not contract.skip_source_lowering:
@@ -200,7 +207,7 @@ def _shard_params(fqn: str, module: nn.Module, contract: Contract, groups: dict[
 
 
 def _defer_biases(
-    fqn: str, module: nn.Module, contract: Contract, groups: dict[str, Group]
+    fqn: str, module: nn.Module, contract: Contract, groups: dict[str, Group], grad_sum: GradSum | None
 ) -> tuple[nn.Parameter, ...]:
     """Rowwise biases, added once after the reduction. When the reduction scatters (sequence
     parallel: P(sum) -> S(1)), the bias meets only this rank's tokens, so its gradient is summed
@@ -215,30 +222,25 @@ def _defer_biases(
             continue  # the model was built without this bias (e.g. attention_bias=False)
         owner = module.get_submodule(owner_name) if owner_name else module
         leaves.suppress_bias(owner)
-        if sharded_out and not getattr(param, "_hp_grad_sum", False):
-            param.register_hook(_grad_sum_hook(groups["tp"]))
-            param._hp_grad_sum = True
+        if sharded_out and grad_sum is not None:
+            grad_sum.add(param)
         biases.append(param)
     return tuple(biases)
 
 
-def _install_grad_sums(bound: list[tuple[str, nn.Module, Contract]], groups: dict[str, Group]) -> None:
-    """Replicated parameters whose gradient is a partial sum over tp get it all-reduced in backward."""
+def _install_grad_sums(bound: list[tuple[str, nn.Module, Contract]], grad_sum: GradSum) -> None:
+    """``grad_sum_params`` of every contract; ``"*"`` means every parameter under the module that
+    no contract with params claims (the norms of a sequence-parallel layer stack)."""
     claimed = {id(p) for fqn, m, c in bound if c.params for p in m.parameters()}
     for fqn, module, contract in bound:
-        group = groups.get("tp")
-        if group is None or group.size == 1:
-            continue
         for name in contract.grad_sum_params:
             if name in ("*", "**"):
                 params = [p for p in module.parameters() if id(p) not in claimed]
             else:
                 params = [p for _, p in _params_matching(module, name)]
             for param in params:
-                if getattr(param, "_hp_grad_sum", False) or getattr(param, "_hp_shard", None) is not None:
-                    continue
-                param.register_hook(_grad_sum_hook(group))
-                param._hp_grad_sum = True
+                if getattr(param, "_hp_shard", None) is None:
+                    grad_sum.add(param)
 
 
 def _install_parallel_loss(root: nn.Module, bound: list[tuple[str, nn.Module, Contract]], groups: dict[str, Group]) -> None:
@@ -255,15 +257,6 @@ def _install_parallel_loss(root: nn.Module, bound: list[tuple[str, nn.Module, Co
                 "whose loss_function hp_lazy can replace; use out_dst 'R' (gathered logits) for this model"
             )
         root.loss_function = VocabParallelCausalLMLoss(group, group.rank * module.weight.shape[0])
-
-
-def _grad_sum_hook(group: Group):
-    def hook(grad: torch.Tensor) -> torch.Tensor:
-        grad = grad.clone()
-        collectives.all_reduce_(grad, group)
-        return grad
-
-    return hook
 
 
 def _check_ranks_agree(lowered: registry.Lowered, root: nn.Module) -> None:

@@ -74,16 +74,12 @@ class Binding:
     deferred_biases: tuple[nn.Parameter, ...] = ()
     compute: Callable[..., Any] | None = None
 
-    def __getattr__(self, name: str) -> Any:
-        # ``_hp_b.tp`` / ``_hp_b.tp_enable`` in lowered code
-        groups = self.__dict__.get("groups", {})
-        if name in groups:
-            return groups[name]
-        if name.endswith("_enable") and name[: -len("_enable")] in groups:
-            return groups[name[: -len("_enable")]].size > 1
-        if name.endswith("_enable"):
-            return False
-        raise AttributeError(f"{self.__dict__.get('fqn', '?')}: binding has no attribute {name!r}")
+    def __post_init__(self) -> None:
+        # ``_hp_b.tp`` / ``_hp_b.tp_enable`` in lowered code: plain attributes, no lookup logic
+        for axis in AXES:
+            group = self.groups.get(axis)
+            self.__dict__[axis] = group
+            self.__dict__[f"{axis}_enable"] = group is not None and group.size > 1
 
     def enter(self, name: str, value: Any) -> Any:
         for op in self.in_ops.get(name, ()):
