@@ -110,8 +110,20 @@ SHRINK: dict[str, Any] = dict(
 _INDEX_LIST = re.compile(r"(idx|indices|index|layers|_ids)$")
 
 
+FAMILY_EXTRA: dict[str, dict[str, Any]] = {
+    # three stages (input / recurrent / output) of one layer each
+    "dory": dict(num_hidden_layers=3, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                 n_input_layers=1, n_recurrent_layers=1, n_output_layers=1),
+    "bamba": dict(attn_layer_indices=[1]),  # one attention layer next to the mamba one
+    "cohere_compass": dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
+}
+RETRIES: tuple[dict[str, Any], ...] = ({}, {"num_key_value_heads": 4})
+
+
 def _defaults(cls: type) -> dict[str, Any]:
-    return cls().to_dict()
+    """The default config's fields as the instance holds them (after ``__post_init__``)."""
+    inst = cls()
+    return {k: getattr(inst, k, v) for k, v in inst.to_dict().items()}
 
 
 def _layer_selection(default: dict[str, Any]) -> list[int] | None:
@@ -136,14 +148,14 @@ def shrunk_kwargs(cls: type) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in SHRINK.items():
         target = amap.get(key, key)
-        if target in default and default[target] is not None or key in ("head_dim", "pad_token_id"):
-            if target in default:
-                out[target] = value
+        if target in default and (default[target] is not None or key in ("head_dim", "pad_token_id", "num_key_value_heads")):
+            out[target] = [value] * len(default[target]) if isinstance(default[target], list) else value
     sel = _layer_selection(default)
     old_n = default.get(amap.get("num_hidden_layers", "num_hidden_layers"))
     if sel is not None:
         out["num_hidden_layers"] = len(sel)
-        for key, value in default.items():
+        for key in default:
+            value = out.get(key, default[key])
             if isinstance(value, list) and len(value) == old_n and not _INDEX_LIST.search(key):
                 out[key] = [value[i] for i in sel]
     n = out.get("num_hidden_layers", 2)
@@ -155,8 +167,8 @@ def shrunk_kwargs(cls: type) -> dict[str, Any]:
         if isinstance(default.get(key), int):
             out[key] = 8
     rope = default.get("rope_parameters")
-    if isinstance(rope, dict) and ("mrope_section" in rope or "mrope_section" in getattr(cls, "ignore_keys_at_rope_validation", ())):
-        out["rope_parameters"] = {**rope, "mrope_section": [2, 1, 1]}
+    if isinstance(rope, dict) and rope and _uses_mrope(cls, rope):
+        out["rope_parameters"] = {**rope, "mrope_section": [2, 1, 1]}  # sums to head_dim / 2
     for name, sub in (getattr(cls, "sub_configs", None) or {}).items():
         if isinstance(sub, type):
             try:
@@ -164,6 +176,13 @@ def shrunk_kwargs(cls: type) -> dict[str, Any]:
             except Exception:  # noqa: BLE001 - an AutoConfig placeholder: leave its default
                 pass
     return out
+
+
+def _uses_mrope(cls: type, rope: dict[str, Any]) -> bool:
+    if "mrope_section" in rope or "mrope_section" in getattr(cls, "ignore_keys_at_rope_validation", ()):
+        return True
+    modeling = sys.modules[cls.__module__].__file__.replace("configuration_", "modeling_")
+    return os.path.exists(modeling) and "mrope_section" in open(modeling, encoding="utf-8").read()
 
 
 def _config_classes(family: str) -> list[type]:
@@ -179,45 +198,73 @@ def _config_classes(family: str) -> list[type]:
     return found
 
 
-def pick_model(family: str) -> tuple[type, str, str]:
-    """(config class, Auto class name, mode): causal LM where mapped, else seq2seq LM, else AutoModel."""
+def pick_models(family: str) -> list[tuple[type, str, str]]:
+    """(config class, Auto class name, mode) in order of preference: causal LM where mapped, else
+    seq2seq LM, else AutoModel (the outermost config first, then the one declaring the TP plan)."""
     from transformers.models.auto import configuration_auto as ca
     from transformers.models.auto import modeling_auto as ma
 
     classes = _config_classes(family)
     planned = [c for c in classes if getattr(c, "base_model_tp_plan", None)]
-    tops = [c for c in classes if ca.CONFIG_MAPPING_NAMES.get(c.model_type) == c.__name__]
+    nested = {sub for c in classes for sub in (getattr(c, "sub_configs", None) or {}).values()}
+    tops = [c for c in classes if ca.CONFIG_MAPPING_NAMES.get(c.model_type) == c.__name__ and c not in nested]
     order = [
-        (planned, ma.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, "AutoModelForCausalLM", "lm"),
-        (tops, ma.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, "AutoModelForCausalLM", "lm"),
-        (tops, ma.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES, "AutoModelForSeq2SeqLM", "seq2seq"),
-        (tops, ma.MODEL_MAPPING_NAMES, "AutoModel", "hidden"),
-        (planned, ma.MODEL_MAPPING_NAMES, "AutoModel", "hidden"),
+        (planned, ma.MODEL_FOR_CAUSAL_LM_MAPPING, "AutoModelForCausalLM", "lm"),
+        (tops, ma.MODEL_FOR_CAUSAL_LM_MAPPING, "AutoModelForCausalLM", "lm"),
+        (tops, ma.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING, "AutoModelForSeq2SeqLM", "seq2seq"),
+        (tops, ma.MODEL_MAPPING, "AutoModel", "hidden"),
+        (planned, ma.MODEL_MAPPING, "AutoModel", "hidden"),
     ]
-    for candidates, mapping, auto, mode in order:
-        for cls in candidates:
-            if cls.model_type in mapping:
-                return cls, auto, mode
-    raise RuntimeError(f"no Auto class maps a config of {family} ({[c.__name__ for c in classes]})")
+    found = [(cls, auto, mode) for candidates, mapping, auto, mode in order for cls in candidates if cls in mapping]
+    if not found:
+        raise RuntimeError(f"no Auto class maps a config of {family} ({[c.__name__ for c in classes]})")
+    return list(dict.fromkeys(found))
+
+
+def _construct(cls: type, kwargs: dict[str, Any]) -> Any:
+    """``cls(**kwargs)``, retried with the patches of RETRIES (e.g. no grouped-query attention)."""
+    error: Exception | None = None
+    for patch in RETRIES:
+        try:
+            return cls(**{**kwargs, **{k: v for k, v in patch.items() if k in kwargs}})
+        except Exception as exc:  # noqa: BLE001 - strict dataclass validation of a family
+            error = error or exc
+    raise error  # type: ignore[misc]
 
 
 def build_model(family: str, workdir: str) -> tuple[str, str]:
-    """Save a tiny model of ``family`` in ``workdir`` (config, weights, meta.json)."""
+    """Save a tiny model of ``family`` in ``workdir`` (config, weights, meta.json): the first
+    candidate of ``pick_models`` whose saved config the same Auto class maps back."""
     import torch
     import transformers
 
-    cls, auto, mode = pick_model(family)
-    config = cls(**shrunk_kwargs(cls))
-    torch.manual_seed(0)
-    model = getattr(transformers, auto).from_config(config)
-    with torch.no_grad():  # visible biases and norm weights, so a dropped one shows
+    errors = []
+    for cls, auto, mode in pick_models(family):
+        try:
+            config = _construct(cls, {**shrunk_kwargs(cls), **FAMILY_EXTRA.get(family, {})})
+            torch.manual_seed(0)
+            model = getattr(transformers, auto).from_config(config)
+            if type(model.config) not in getattr(transformers, auto)._model_mapping:
+                raise RuntimeError(f"{auto} does not map back {type(model.config).__name__}")
+        except Exception as exc:  # noqa: BLE001 - try the next candidate
+            errors.append(exc)
+            continue
+        _perturb(model)
+        model.save_pretrained(workdir)
+        with open(os.path.join(workdir, "meta.json"), "w", encoding="utf-8") as f:
+            json.dump({"auto": auto, "mode": mode, "config": cls.__name__, "model": type(model).__name__}, f)
+        return auto, mode
+    raise errors[0]
+
+
+def _perturb(model: Any) -> None:
+    """Visible biases and norm weights, so a dropped one shows."""
+    import torch
+
+    with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 param.normal_(mean=1.0 if "norm" in name else 0.0, std=0.1 if "norm" in name else 0.02)
-    model.save_pretrained(workdir)
-    with open(os.path.join(workdir, "meta.json"), "w", encoding="utf-8") as f:
-        json.dump({"auto": auto, "mode": mode, "config": cls.__name__, "model": type(model).__name__}, f)
-    return auto, mode
 
 
 # -- child processes ---------------------------------------------------------------------------
@@ -245,13 +292,19 @@ def _step(model: Any, mode: str) -> tuple[Any, Any]:
         out = model(input_ids=ids, **kwargs)
         hidden = out[0]
         weight = torch.randn(hidden.shape[-1], generator=torch.Generator().manual_seed(2))
-        loss = (hidden.float() * weight).mean()
+        loss = (hidden * weight.to(hidden.dtype)).mean()
     else:
         kwargs = {"decoder_input_ids": ids} if mode == "seq2seq" else {}
         out = model(input_ids=ids, labels=ids, **kwargs)
         hidden, loss = out.logits, out.loss
     loss.backward()
     return hidden.detach().clone(), loss.detach().clone()
+
+
+def _dtype() -> Any:
+    import torch
+
+    return getattr(torch, os.environ.get("HP_COVERAGE_DTYPE", "float32"))
 
 
 def child_reference(family: str, workdir: str) -> None:
@@ -266,7 +319,7 @@ def child_reference(family: str, workdir: str) -> None:
         return _write_error(os.path.join(workdir, "skip.json"), exc)
     try:
         torch.manual_seed(0)
-        model = getattr(transformers, auto).from_pretrained(workdir, dtype=torch.float32)
+        model = getattr(transformers, auto).from_pretrained(workdir, dtype=_dtype())
         out, loss = _step(model, mode)
         grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     except Exception as exc:  # noqa: BLE001
@@ -293,7 +346,7 @@ def child_rank(family: str, workdir: str) -> None:
         with open(os.path.join(workdir, "meta.json"), encoding="utf-8") as f:
             meta = json.load(f)
         torch.manual_seed(0)
-        model = getattr(transformers, meta["auto"]).from_pretrained(workdir, dtype=torch.float32)
+        model = getattr(transformers, meta["auto"]).from_pretrained(workdir, dtype=_dtype())
         hp_lazy.parallelize(model)
         sharded = sum(getattr(p, "_hp_shard", None) is not None for p in model.parameters())
         total = sum(1 for _ in model.parameters())
@@ -307,8 +360,8 @@ def child_rank(family: str, workdir: str) -> None:
 
 
 # -- driver ------------------------------------------------------------------------------------
-def _env(**extra: str) -> dict[str, str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "TOKENIZERS_PARALLELISM": "false"}
+def _env(dtype: str, **extra: str) -> dict[str, str]:
+    env = {**os.environ, "HP_COVERAGE_DTYPE": dtype, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "TOKENIZERS_PARALLELISM": "false"}
     env.update(extra)
     return env
 
@@ -346,31 +399,41 @@ def _read_error(path: str) -> dict[str, str] | None:
         return json.load(f)
 
 
-def _log_tail(path: str) -> str:
+def _log_tail(path: str, proc: subprocess.Popen | None = None) -> str:
+    """The last error-looking line of a child's log, else its exit status."""
     with open(path, encoding="utf-8", errors="replace") as f:
-        lines = [ln for ln in f.read().strip().splitlines() if ln.strip()]
-    return lines[-1][:300] if lines else "no output"
+        lines = [ln for ln in f.read().strip().splitlines() if re.search(r"Error|Killed|Abort|Segmentation", ln)]
+    status = f"exit status {proc.returncode}" if proc is not None else "no result"
+    return f"{lines[-1][:260]} ({status})" if lines else status
 
 
 def run_family(family: str, timeout: float) -> Row:
     row = precheck(family)
     if row is not None:
         return row
+    dtype = os.environ.get("HP_COVERAGE_DTYPE", "float32")
     with tempfile.TemporaryDirectory(prefix=f"hpcov_{family}_") as workdir:
-        return _run_in(family, workdir, timeout)
+        row = _run_in(family, workdir, timeout, dtype)
+    if row.status == "fail" and ": rel err " in row.reason and dtype == "float32":
+        with tempfile.TemporaryDirectory(prefix=f"hpcov_{family}_") as workdir:
+            again = _run_in(family, workdir, timeout, "float64")
+        verdict = "fp32 round-off only" if again.status == "pass" else "also fails"
+        row = Row(family, row.status, f"{row.reason}; float64 rerun: {again.reason} ({verdict})")
+    return row
 
 
-def _run_in(family: str, workdir: str, timeout: float) -> Row:
+def _run_in(family: str, workdir: str, timeout: float, dtype: str) -> Row:
     deadline = time.monotonic() + timeout
     ref_log = os.path.join(workdir, "ref.log")
-    if not _wait([_spawn("ref", family, workdir, _env(), ref_log)], deadline):
+    ref = _spawn("ref", family, workdir, _env(dtype), ref_log)
+    if not _wait([ref], deadline):
         return Row(family, "skipped", f"reference run timed out after {timeout:.0f}s")
     skip = _read_error(os.path.join(workdir, "skip.json"))
     if skip is not None or not os.path.exists(os.path.join(workdir, "ref.pt")):
-        return Row(family, "skipped", skip["reason"] if skip else f"reference crashed: {_log_tail(ref_log)}")
+        return Row(family, "skipped", skip["reason"] if skip else f"reference crashed: {_log_tail(ref_log, ref)}")
     port = str(_free_port())
     procs = [
-        _spawn("rank", family, workdir, _env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2",
+        _spawn("rank", family, workdir, _env(dtype, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2",
                                              MASTER_ADDR="127.0.0.1", MASTER_PORT=port),
                os.path.join(workdir, f"rank{r}.log"))
         for r in range(2)
@@ -386,7 +449,8 @@ def _run_in(family: str, workdir: str, timeout: float) -> Row:
         return Row(family, "fail", f"timed out after {timeout:.0f}s (a rank hung in a collective?)")
     missing = [r for r in range(2) if not os.path.exists(os.path.join(workdir, f"got{r}.pt"))]
     if missing:
-        return Row(family, "fail", f"rank {missing[0]} crashed: {_log_tail(os.path.join(workdir, f'rank{missing[0]}.log'))}")
+        log = os.path.join(workdir, f"rank{missing[0]}.log")
+        return Row(family, "fail", f"rank {missing[0]} crashed: {_log_tail(log, procs[missing[0]])}")
     return _compare(family, workdir)
 
 
@@ -450,6 +514,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=1, help="families run at once (default 1)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per family")
     parser.add_argument("--out", default="", help="write the markdown table here")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "float64"),
+                        help="dtype of every run (float64 tells round-off from a wrong gradient)")
     parser.add_argument("--_ref", nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--_rank", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -459,6 +525,7 @@ def main(argv: list[str] | None = None) -> int:
     if args._rank:
         child_rank(*args._rank)
         return 0
+    os.environ["HP_COVERAGE_DTYPE"] = args.dtype
     names = [f for f in args.families.split(",") if f] or families()
     rows: dict[str, Row] = {}
     with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as pool:

@@ -20,13 +20,16 @@ thread while the other ranks wait), which cancels the drift of a shared machine.
 hp_lazy lowers ``transformers.models.llama.modeling_llama`` when it is imported, so the plain variants use a
 private copy of that module (``transformers.models.llama._plain_modeling_llama``) executed before hp_lazy is
 activated. On one rank (``--world 1``) no communication happens: the ratios are pure framework overhead.
-Also reported, measured once: collectives per step (hp_lazy's own counter for hp_lazy, torch's CommDebugMode
-for everyone), max |dlogits| and the max relative gradient error (max|dg| / max|g_ref| per parameter) vs ref.
+Besides wall time the tables give the CPU time of a step summed over the ranks (``time.process_time``, which
+leaves out the waits at barriers and in collectives; steadier than wall time when the machine is shared) and
+the median per-round ratio to ``bare_tp``. Measured once, after the timing: collectives per fwd+bwd step
+(torch's CommDebugMode for every variant, plus hp_lazy's own counter by phase), max |dlogits| and the max
+relative gradient error (max over parameters of max|dg| / max|g_ref|) against the plain model.
 
-    python benchmarks/step_time.py                              # tiny (1 and 2 ranks) + 160M (2 ranks)
-    python benchmarks/step_time.py --models tiny --rounds 30 --world 2
-    python benchmarks/step_time.py --models medium --rounds 3 --out benchmarks/step_time.md
-    python benchmarks/step_time.py --models tiny --world 2 --profile hp_lazy   # cProfile rank 0
+    python benchmarks/step_time.py          # tiny on 1 and 2 ranks (~2 min) + 160M on 2 ranks (~3 min), 2 cores
+    python benchmarks/step_time.py --models tiny --rounds 30 --world 2 --out /tmp/step_time.md
+    python benchmarks/step_time.py --models medium --rounds 10 --variants hp_lazy,bare_tp
+    python benchmarks/step_time.py --models tiny --world 2 --profile hp_lazy   # + cProfile of 5 steps, rank 0
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 PLAIN_NAME = "transformers.models.llama._plain_modeling_llama"
@@ -64,7 +67,7 @@ MODELS: dict[str, ModelSpec] = {
     "tiny": ModelSpec(dict(vocab_size=1024, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
                            num_attention_heads=8, num_key_value_heads=4, **_LLAMA), 4, 128, 20, 2, (1, 2)),
     "medium": ModelSpec(dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
-                             num_attention_heads=16, num_key_value_heads=8, **_LLAMA), 2, 128, 3, 1, (2,)),
+                             num_attention_heads=16, num_key_value_heads=8, **_LLAMA), 2, 128, 5, 1, (2,)),
 }
 
 
@@ -185,9 +188,13 @@ def install_dtensor_tp(model: Any, world: int) -> None:
             "self_attn.o_proj": row(), "mlp.gate_proj": col(), "mlp.up_proj": col(), "mlp.down_proj": row()})
 
 
-def dtensor_grads(model: Any) -> dict[str, Any]:
+def plain_or_full_grads(model: Any) -> dict[str, Any]:
     return {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad)
             for n, p in model.named_parameters() if p.grad is not None}
+
+
+class _Skip(Exception):
+    """A variant that cannot run here (its message says what to install)."""
 
 
 def load_hf_tp(cls: Any, path: str, world: int) -> Any:
@@ -208,11 +215,7 @@ def load_hf_tp(cls: Any, path: str, world: int) -> Any:
     return model
 
 
-class _Skip(Exception):
-    pass
-
-
-@dataclass
+@dataclass(frozen=True)
 class Loaded:
     model: Any
     grads: Callable[[Any], dict[str, Any]]
@@ -225,35 +228,34 @@ def load_variants(variants: list[str], path: str, rank: int, world: int) -> tupl
     plain = load_plain_llama()
     if REAL_NAME in sys.modules:
         raise RuntimeError(f"{REAL_NAME} was imported before hp_lazy.activate; it would not be lowered")
-    loaded: dict[str, Loaded] = {}
+    loaded = {"ref": Loaded(plain.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32), plain_or_full_grads)}
     failed: dict[str, str] = {}
-    ref = plain.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32)
-    loaded["ref"] = Loaded(ref, dtensor_grads)
-    for v in variants:
-        if v in ("hp_lazy", "ref_solo", "ref_both"):
-            continue
+    for v in sorted((v for v in variants if v in TP_VARIANTS), key=lambda v: v == "hp_lazy"):  # hp_lazy last
         try:
-            model = plain.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32) if v != "hf_tp" else None
-            if v == "hf_tp":
-                loaded[v] = Loaded(load_hf_tp(plain.LlamaForCausalLM, path, world), dtensor_grads)
-            elif v == "dtensor_tp":
-                install_dtensor_tp(model, world)
-                loaded[v] = Loaded(model, dtensor_grads)
-            elif v == "bare_tp":
-                loaded[v] = Loaded(model, install_bare_tp(model, rank, world))
+            loaded[v] = _load_hp_lazy(path, world, plain) if v == "hp_lazy" else _load_plain(v, plain, path, rank, world)
         except Exception as error:  # one broken variant must not hide the others
-            failed[v] = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
-    if "hp_lazy" in variants:
-        try:
-            loaded["hp_lazy"] = _load_hp_lazy(path, world)
-        except Exception as error:
-            failed["hp_lazy"] = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
+            why = str(error).splitlines()[0][:300] if str(error) else ""
+            failed[v] = why if isinstance(error, _Skip) else f"{type(error).__name__}: {why}"
+            if rank == 0:
+                print(f"[step_time] {v} skipped: {failed[v]}", file=sys.stderr, flush=True)
     for m in loaded.values():
         m.model.train()
     return loaded, failed
 
 
-def _load_hp_lazy(path: str, world: int) -> Loaded:
+def _load_plain(variant: str, plain: Any, path: str, rank: int, world: int) -> Loaded:
+    import torch
+
+    if variant == "hf_tp":
+        return Loaded(load_hf_tp(plain.LlamaForCausalLM, path, world), plain_or_full_grads)
+    model = plain.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32)
+    if variant == "dtensor_tp":
+        install_dtensor_tp(model, world)
+        return Loaded(model, plain_or_full_grads)
+    return Loaded(model, install_bare_tp(model, rank, world))
+
+
+def _load_hp_lazy(path: str, world: int, plain: Any) -> Loaded:
     import importlib
 
     import hp_lazy
@@ -264,6 +266,8 @@ def _load_hp_lazy(path: str, world: int) -> Loaded:
     real = importlib.import_module(REAL_NAME)
     if not hasattr(real.LlamaMLP, "_hp_form"):
         raise RuntimeError(f"{REAL_NAME} was not lowered by hp_lazy")
+    if hasattr(plain.LlamaMLP, "_hp_form") or real.LlamaMLP is plain.LlamaMLP:
+        raise RuntimeError(f"{PLAIN_NAME} was lowered too; the plain variants would not be plain")
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     return Loaded(hp_lazy.parallelize(model), hp_lazy.full_grads)
 
@@ -296,7 +300,8 @@ def worker(job: dict[str, Any]) -> None:
 
     times = interleave(variants, models, {"step": step, "fwd": fwd}, job, rank)
     counts = {v: count_collectives(v, models[v].model, ids, labels) for v in variants if v in TP_VARIANTS}
-    numerics = {v: compare(models[v], loaded["ref"], ids, labels) for v in variants if v in TP_VARIANTS}
+    ref = numerics_step(loaded["ref"], ids, labels)
+    numerics = {v: compare(numerics_step(models[v], ids, labels), ref) for v in variants if v in TP_VARIANTS}
     if job.get("profile") in models:
         profile(job["profile"], models[job["profile"]].model, step, rank)
     everyone: list[Any] = [None] * world
@@ -378,20 +383,19 @@ def count_collectives(variant: str, model: Any, ids: Any, labels: Any) -> dict[s
     return out
 
 
-def compare(v: Loaded, ref: Loaded, ids: Any, labels: Any) -> dict[str, Any]:
-    """One step with grads kept: max |dlogits| and max over params of max|dg| / max|g_ref| vs the plain model."""
-    import torch
+def numerics_step(m: Loaded, ids: Any, labels: Any) -> tuple[Any, dict[str, Any]]:
+    """One step with the gradients kept: (full logits, full gradients); a collective for parallel models."""
+    out = m.model(input_ids=ids, labels=labels)
+    out.loss.backward()
+    logits = out.logits.full_tensor() if hasattr(out.logits, "full_tensor") else out.logits
+    grads = {k: g.detach().clone() for k, g in m.grads(m.model).items()}
+    m.model.zero_grad(set_to_none=True)
+    return logits.detach(), grads
 
-    def run(m: Loaded) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        out = m.model(input_ids=ids, labels=labels)
-        out.loss.backward()
-        full = out.logits.full_tensor() if hasattr(out.logits, "full_tensor") else out.logits
-        grads = {k: g.detach().clone() for k, g in m.grads(m.model).items()}
-        m.model.zero_grad(set_to_none=True)
-        return full.detach(), grads
 
-    ref_logits, ref_grads = run(ref)
-    logits, grads = run(v)
+def compare(got: tuple[Any, dict[str, Any]], ref: tuple[Any, dict[str, Any]]) -> dict[str, Any]:
+    """max |dlogits|, and the max over parameters of max|dg| / max|g_ref| (missing or misshapen grads listed)."""
+    (logits, grads), (ref_logits, ref_grads) = got, ref
     missing = sorted(set(ref_grads) ^ set(grads))
     rel, worst = 0.0, ""
     for name, g in ref_grads.items():
@@ -513,7 +517,7 @@ def main(argv: list[str] | None = None) -> None:
             return worker(json.load(f))
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="tiny,medium", help=f"comma list of {sorted(MODELS)}")
-    ap.add_argument("--rounds", type=int, help="timed rounds (default: tiny 20, medium 3)")
+    ap.add_argument("--rounds", type=int, help="timed rounds (default: tiny 20, medium 5)")
     ap.add_argument("--steps", type=int, default=1, help="steps per variant per round (default 1)")
     ap.add_argument("--warmup", type=int, help="untimed rounds first (default: tiny 2, medium 1)")
     ap.add_argument("--world", help="comma list of rank counts (default: tiny 1,2; medium 2)")

@@ -107,7 +107,7 @@ def test_auto_plan_fields_and_round_trip() -> None:
     plan = Plan.auto(tp=4, sequence_parallel=True)
     assert plan.mesh == {"tp": 4}
     assert plan.modules == ("transformers.models.*.modeling_*",)
-    assert plan.auto == {"tp": 4, "sequence_parallel": True, "loss_parallel": False}
+    assert plan.auto == {"tp": 4, "sequence_parallel": True, "loss_parallel": False, "vocab_parallel_embedding": True}
     assert Plan.from_json(plan.to_json()) == plan
     assert plan.hash != Plan.auto(tp=4).hash
     assert plan.targets("transformers.models.llama.modeling_llama")

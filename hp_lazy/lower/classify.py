@@ -215,7 +215,8 @@ def classify(
     if injection.get("local_compute_fn"):
         reason = f"injection local_compute_fn={injection['local_compute_fn']!r}"
         return FormDecision("region", (reason,), in_ops, out_ops)
-    if contract.deferred_bias_params and not any(o.op.call in ("reduce_from", "reduce_scatter_to") for o in out_ops):
+    partial_out = any(p.is_partial for p in contract.out_src.get("output", {}).values())
+    if contract.deferred_bias_params and not partial_out:
         raise PlanError(
             f"{contract.pattern}: deferred_bias_params {list(contract.deferred_bias_params)} need a P(sum) output "
             "reduced at exit; declare out_src 'P(sum)' for 'output' or drop deferred_bias_params"

@@ -61,7 +61,8 @@ class _Rule:
 
 
 def auto_contracts(
-    module_name: str, source: str, tp: int = 2, sequence_parallel: bool = False, loss_parallel: bool = False
+    module_name: str, source: str, tp: int = 2, sequence_parallel: bool = False, loss_parallel: bool = False,
+    vocab_parallel_embedding: bool = True,
 ) -> tuple[Contract, ...] | None:
     """Contracts for one ``transformers.models.<x>.modeling_<x>`` module, or None when the module
     is not such a module or its configs declare no ``base_model_tp_plan``."""
@@ -73,7 +74,7 @@ def auto_contracts(
         return None
     rules = [r for name, plan in config_plans for r in _base_rules(facts, name, plan)]
     rules += _head_rules(facts)
-    builder = _Builder(facts, tp, sequence_parallel, loss_parallel)
+    builder = _Builder(facts, tp, sequence_parallel, loss_parallel, vocab_parallel_embedding)
     return builder.build(rules)
 
 
@@ -161,7 +162,10 @@ def _head_rules(facts: ModuleFacts) -> list[_Rule]:
 
 
 class _Builder:
-    def __init__(self, facts: ModuleFacts, tp: int, sequence_parallel: bool, loss_parallel: bool) -> None:
+    def __init__(
+        self, facts: ModuleFacts, tp: int, sequence_parallel: bool, loss_parallel: bool, vocab_embedding: bool = True
+    ) -> None:
+        self.vocab_embedding = vocab_embedding
         self.facts = facts
         self.mesh = {"tp": tp}
         self.sp = sequence_parallel
@@ -178,10 +182,11 @@ class _Builder:
         for rule in rules:
             if rule.style in LEAF:
                 self._add(rule.pattern, self._leaf(rule), rule.owner)
-            elif rule.style == "embedding_rowwise":
+            elif rule.style == "embedding_rowwise" and self.vocab_embedding:
                 self._add(rule.pattern, self._embedding(rule), rule.owner)
         boundaries = self._boundaries(grouped)
-        self._implicit_embeddings(rules)
+        if self.vocab_embedding:
+            self._implicit_embeddings(rules)
         self._check_nesting()
         if self.sp:
             self._containers(grouped, boundaries, rules)

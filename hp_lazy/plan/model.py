@@ -126,12 +126,20 @@ class Plan:
         return slice_plan(self, module_name, source)
 
 
-def _auto_plan(tp: int = 2, sequence_parallel: bool = False, loss_parallel: bool = False) -> Plan:
+def _auto_plan(
+    tp: int = 2, sequence_parallel: bool = False, loss_parallel: bool = False, vocab_parallel_embedding: bool = True
+) -> Plan:
     """``Plan.auto(tp=2)``: contracts derived from transformers' own ``base_model_tp_plan`` (and the
-    model classes' ``_tp_plan``) when each ``transformers.models.<x>.modeling_<x>`` is imported."""
+    model classes' ``_tp_plan``) when each ``transformers.models.<x>.modeling_<x>`` is imported.
+
+    ``loss_parallel``: keep the logits vocab-sharded and compute the loss from the shards.
+    ``vocab_parallel_embedding=False``: keep ``embed_tokens`` replicated (one all-reduce less per
+    forward, the embedding's memory on every rank); not possible when it is tied to a sharded lm_head.
+    """
     from hp_lazy.plan.parse import plan_from_dict
 
-    flags = {"tp": tp, "sequence_parallel": sequence_parallel, "loss_parallel": loss_parallel}
+    flags = {"tp": tp, "sequence_parallel": sequence_parallel, "loss_parallel": loss_parallel,
+             "vocab_parallel_embedding": vocab_parallel_embedding}
     return plan_from_dict({"version": 1, "mesh": {"tp": tp}, "auto": flags})
 
 

@@ -22,7 +22,7 @@ TOP_KEYS = ("version", "mesh", "modules", "boundaries", "boundary_classes", "inj
 PLACEMENT_SIDES = ("in_src", "in_dst", "out_src", "out_dst", "params")
 CONTRACT_KEYS = (*PLACEMENT_SIDES, "deferred_bias_params", "grad_sum_params", "skip_source_lowering")
 INJECTION_KEYS = ("match", "inner_wrapper", "inner_target", "inner_out_src", "local_compute_fn", "ep_stack", "ep_size")
-AUTO_KEYS = ("tp", "sequence_parallel", "loss_parallel")
+AUTO_KEYS = ("tp", "sequence_parallel", "loss_parallel", "vocab_parallel_embedding")
 RESERVED_PREFIXES = ("_hp_", "__hp_")
 _OUTPUT_KEY = re.compile(r"^output(\.\d+)?$")
 _PATTERN_SEGMENT = re.compile(r"^[\w*?\[\]!-]+$")
@@ -221,8 +221,8 @@ def parse_auto(data: object) -> dict[str, object]:
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise PlanError(f"plan.auto.tp: degree {tp!r} is not a positive integer; use e.g. tp=2")
     flags = {}
-    for name in ("sequence_parallel", "loss_parallel"):
-        flags[name] = body.get(name, False)
+    for name, default in (("sequence_parallel", False), ("loss_parallel", False), ("vocab_parallel_embedding", True)):
+        flags[name] = body.get(name, default)
         if not isinstance(flags[name], bool):
             raise PlanError(f"plan.auto.{name}: {flags[name]!r} is not true/false; fix the plan")
     return {"tp": tp, **flags}

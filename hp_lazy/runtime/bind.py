@@ -56,10 +56,11 @@ def parallelize(model: nn.Module) -> nn.Module:
 
 
 def _outermost_roots(model: nn.Module) -> Iterator[tuple[str, nn.Module, registry.Lowered]]:
+    """Instances of lowered root classes that no other such instance contains."""
     taken: list[str] = []
     for name, module in model.named_modules():
         found = registry.lowered_for(type(module))
-        if found is None or any(name == t or name.startswith(t + ".") for t in taken if t != "") or "" in taken:
+        if found is None or any(t == "" or name == t or name.startswith(t + ".") for t in taken):
             continue
         taken.append(name)
         yield name, module, found[0]
@@ -122,6 +123,8 @@ def _bind_root(root: nn.Module, lowered: registry.Lowered) -> None:
             bound.append((fqn, module, hits[0]))
         elif "_hp_form" in type(module).__dict__ or hasattr(type(module), "_hp_form"):
             module._hp_b = None  # a lowered class, used here outside any contract
+    if all(group.size == 1 for group in groups.values()):
+        return  # nothing is lowered at degree 1 (identity forms): the model runs as it is
     tp = groups.get("tp")
     grad_sum = GradSum(tp) if tp is not None and tp.size > 1 else None
     for fqn, module, contract in bound:
@@ -129,6 +132,7 @@ def _bind_root(root: nn.Module, lowered: registry.Lowered) -> None:
     if grad_sum is not None:
         _install_grad_sums(bound, grad_sum)
     _install_parallel_loss(root, bound, groups)
+    _check_shards_covered(root, bound)
 
 
 def _bind_boundary(
@@ -241,6 +245,24 @@ def _install_grad_sums(bound: list[tuple[str, nn.Module, Contract]], grad_sum: G
             for param in params:
                 if getattr(param, "_hp_shard", None) is None:
                     grad_sum.add(param)
+
+
+def _check_shards_covered(root: nn.Module, bound: list[tuple[str, nn.Module, Contract]]) -> None:
+    """A sharded parameter also used by a module outside every contract (a tied embedding the
+    plan leaves replicated) would silently compute on a shard: refuse."""
+    owners = [fqn for fqn, _, contract in bound if contract.params]
+    for name, module in root.named_modules():
+        if any(name == o or name.startswith(o + ".") or o == "" for o in owners):
+            continue
+        for pname, param in module.named_parameters(recurse=False):
+            spec = getattr(param, "_hp_shard", None)
+            if spec is not None:
+                where = f"{name}.{pname}" if name else pname
+                raise ShardingError(
+                    f"{where}: this parameter is tied to {spec.fqn}, which the plan shards {spec.placement}, but "
+                    f"{name or type(root).__name__} has no contract; give it one (vocab-parallel embedding: "
+                    "Plan.auto(vocab_parallel_embedding=True)) or untie the weights"
+                )
 
 
 def _install_parallel_loss(root: nn.Module, bound: list[tuple[str, nn.Module, Contract]], groups: dict[str, Group]) -> None:
