@@ -262,7 +262,9 @@ def _load_hp_lazy(path: str, world: int, plain: Any) -> Loaded:
     import torch
     import transformers
 
-    hp_lazy.activate("auto", tp=world)
+    # --hp-embedding: "vocab" (default, like transformers' tp_plan) or "replicated" (bare_tp's layout)
+    vocab = os.environ.get("HP_LAZY_BENCH_EMBEDDING", "vocab") == "vocab"
+    hp_lazy.activate(hp_lazy.Plan.auto(tp=world, vocab_parallel_embedding=vocab))
     real = importlib.import_module(REAL_NAME)
     if not hasattr(real.LlamaMLP, "_hp_form"):
         raise RuntimeError(f"{REAL_NAME} was not lowered by hp_lazy")
@@ -525,7 +527,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--profile", choices=TP_VARIANTS, help="also cProfile 5 steps of this variant on rank 0")
     ap.add_argument("--timeout", type=int, default=1200, help="seconds per launch")
     ap.add_argument("--out", help="also write the markdown tables to this file")
+    ap.add_argument("--hp-embedding", choices=("vocab", "replicated"), default="vocab",
+                    help="hp_lazy's embed_tokens: vocab-parallel (default, like tp_plan) or replicated (like bare_tp)")
     args = ap.parse_args(argv)
+    os.environ["HP_LAZY_BENCH_EMBEDDING"] = args.hp_embedding
     variants = ["ref_solo"] + [v for v in args.variants.split(",") if v and v != "ref_solo"]
     unknown = sorted(set(variants) - set(ALL_VARIANTS))
     if unknown:
