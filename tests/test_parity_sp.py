@@ -15,11 +15,6 @@ pool2 = pool_fixture(2, timeout=120)
 pool4 = pool_fixture(4, timeout=180)
 
 
-@pytest.fixture(scope="module")
-def refs(tmp_path_factory) -> parity.References:
-    return parity.References(str(tmp_path_factory.mktemp("models")))
-
-
 def _pool(world: int, pool2: DistPool, pool4: DistPool) -> DistPool:
     return parity.activated(pool2 if world == 2 else pool4, sequence_parallel=True)
 

@@ -23,11 +23,6 @@ def _activate(rank: int, world: int) -> None:
     hp_lazy.activate(hp_lazy.Plan.auto(tp=world, vocab_parallel_embedding=False))
 
 
-@pytest.fixture(scope="module")
-def refs(tmp_path_factory) -> parity.References:
-    return parity.References(str(tmp_path_factory.mktemp("models")))
-
-
 @pytest.fixture
 def pool(pool2: DistPool) -> DistPool:
     if getattr(pool2, "_hp_activated", None) is not pool2._procs or not pool2._procs:
