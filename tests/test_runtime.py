@@ -168,3 +168,27 @@ def test_gradient_accumulation_sums_partial_gradients_once_per_pass(pool: DistPo
     for name, param in reference.named_parameters():
         assert models.rel_err(got[name], param.grad) <= parity.TOL, name
     assert any("q_norm" in name for name in got)
+
+
+def _packed_round_trip(rank: int, world: int) -> dict:
+    from hp_lazy.plan.placement import Placement
+    from hp_lazy.runtime.mesh import get_mesh
+    from hp_lazy.runtime.shard import full_tensor, local_shard, make_spec
+
+    group = get_mesh({"tp": world}).group("tp")
+    gate, up = torch.arange(8.0).view(4, 2), 100 + torch.arange(8.0).view(4, 2)
+    fused = torch.cat([gate, up])  # a fused gate_up_proj weight [2 * inter, hidden]
+    spec = make_spec("mlp.gate_up_proj.weight", fused, Placement.parse("SS(0,2)"), group)
+    local = local_shard(fused, spec)
+    return {"local": local, "full": full_tensor(local, spec)}
+
+
+def test_packed_shard_takes_each_rank_its_chunk_of_every_block(pool: DistPool) -> None:
+    """packed_colwise: rank r holds rows r of the gate block *and* of the up block, so the local
+    weight is again [gate_r; up_r] and chunk(2) splits it correctly."""
+    got = pool.run(_packed_round_trip)
+    gate, up = torch.arange(8.0).view(4, 2), 100 + torch.arange(8.0).view(4, 2)
+    for rank, result in enumerate(got):
+        expected = torch.cat([gate[2 * rank : 2 * rank + 2], up[2 * rank : 2 * rank + 2]])
+        assert torch.equal(result["local"], expected)
+        assert torch.equal(result["full"], torch.cat([gate, up]))

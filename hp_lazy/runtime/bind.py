@@ -233,18 +233,29 @@ def _defer_biases(
 
 
 def _install_grad_sums(bound: list[tuple[str, nn.Module, Contract]], grad_sum: GradSum) -> None:
-    """``grad_sum_params`` of every contract; ``"*"`` means every parameter under the module that
-    no contract with params claims (the norms of a sequence-parallel layer stack)."""
+    """Replicated parameters whose gradient is a partial sum over tp get it summed in backward:
+
+    - every unsharded parameter inside a boundary that has tp-sharded parameters (its output is a
+      sum of per-rank parts, so each rank's gradient of anything inside is a part too: Qwen3's q/k
+      norms, a learnable activation, a diff-attention lambda), except the deferred biases, which are
+      added once after the reduction;
+    - the contract's ``grad_sum_params``; ``"*"`` means every parameter under the module that no
+      contract with params claims (the norms of a sequence-parallel layer stack).
+    """
     claimed = {id(p) for fqn, m, c in bound if c.params for p in m.parameters()}
     for fqn, module, contract in bound:
+        params = []
+        if any(p.is_shard for placements in contract.params.values() for axis, p in placements.items() if axis == "tp"):
+            deferred = {id(p) for name in contract.deferred_bias_params if (p := _get_param(module, name)) is not None}
+            params += [p for p in module.parameters() if id(p) not in deferred]
         for name in contract.grad_sum_params:
             if name in ("*", "**"):
-                params = [p for p in module.parameters() if id(p) not in claimed]
+                params += [p for p in module.parameters() if id(p) not in claimed]
             else:
-                params = [p for _, p in _params_matching(module, name)]
-            for param in params:
-                if getattr(param, "_hp_shard", None) is None:
-                    grad_sum.add(param)
+                params += [p for _, p in _params_matching(module, name)]
+        for param in params:
+            if getattr(param, "_hp_shard", None) is None:
+                grad_sum.add(param)
 
 
 def _check_shards_covered(root: nn.Module, bound: list[tuple[str, nn.Module, Contract]]) -> None:
