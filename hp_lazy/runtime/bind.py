@@ -111,20 +111,19 @@ def _bind_root(root: nn.Module, lowered: registry.Lowered) -> None:
     mesh = get_mesh(dict(plan.mesh))
     groups = {axis: mesh.group(axis) for axis in plan.mesh}
     _check_ranks_agree(lowered, root)
-    matchers = _matchers(plan, root)
-    bound: list[tuple[str, nn.Module, Contract]] = []
-    for fqn, module in root.named_modules():
-        hits = [c for regex, c in matchers if regex.match(fqn) and _is_planned_class(module, plan, c)]
-        if len(hits) > 1:
-            raise ShardingError(
-                f"{fqn}: matches the contracts {[c.pattern for c in hits]}; make the plan's patterns disjoint"
-            )
-        if hits:
-            bound.append((fqn, module, hits[0]))
-        elif "_hp_form" in type(module).__dict__ or hasattr(type(module), "_hp_form"):
+    bound = _match(root, lowered)
+    for module in root.modules():
+        if hasattr(type(module), "_hp_form") and all(module is not m for _, m, _ in bound):
             module._hp_b = None  # a lowered class, used here outside any contract
     if all(group.size == 1 for group in groups.values()):
         return  # nothing is lowered at degree 1 (identity forms): the model runs as it is
+    if not bound:
+        names = [n for n, _ in root.named_modules()][1:6]
+        raise ShardingError(
+            f"{type(root).__qualname__}: none of the plan's contracts {[c.pattern for c in plan.contracts]} "
+            f"matches a module of this model (its modules are named like {names}); write the patterns "
+            "relative to the top-level model, in an explicit plan for composite models"
+        )
     tp = groups.get("tp")
     grad_sum = GradSum(tp) if tp is not None and tp.size > 1 else None
     for fqn, module, contract in bound:
@@ -133,6 +132,34 @@ def _bind_root(root: nn.Module, lowered: registry.Lowered) -> None:
         _install_grad_sums(bound, grad_sum)
     _install_parallel_loss(root, bound, groups)
     _check_shards_covered(root, bound)
+
+
+def _match(root: nn.Module, lowered: registry.Lowered) -> list[tuple[str, nn.Module, Contract]]:
+    """Every module of ``root`` that a contract names, matched from each instance of a root class
+    of the plan inside it (so a text model nested in a composite model matches its patterns too)."""
+    plan = lowered.plan
+    found: dict[int, tuple[str, nn.Module, Contract]] = {}
+    for prefix, sub in root.named_modules():
+        hit = registry.lowered_for(type(sub))
+        if hit is None or hit[0] is not lowered:
+            continue
+        matchers = _matchers(plan, sub)
+        for rel, module in sub.named_modules():
+            hits = [c for regex, c in matchers if regex.match(rel) and _is_planned_class(module, plan, c)]
+            fqn = f"{prefix}.{rel}" if prefix and rel else prefix or rel
+            if len(hits) > 1:
+                raise ShardingError(
+                    f"{fqn}: matches the contracts {[c.pattern for c in hits]}; make the plan's patterns disjoint"
+                )
+            if not hits:
+                continue
+            earlier = found.setdefault(id(module), (fqn, module, hits[0]))
+            if earlier[2] is not hits[0]:
+                raise ShardingError(
+                    f"{fqn}: matches contract {earlier[2].pattern!r} from the top-level model and "
+                    f"{hits[0].pattern!r} from its nested model at {prefix!r}; make the plan's patterns disjoint"
+                )
+    return list(found.values())  # model order
 
 
 def _bind_boundary(
@@ -144,6 +171,7 @@ def _bind_boundary(
     )
     replicas = kv_replicas(fqn, module, contract, groups)
     _shard_params(fqn, module, contract, groups, replicas)
+    _shard_row_vectors(fqn, module)
     fit_attention_heads(fqn, module, contract, groups, replicas)
     binding = Binding(
         fqn=fqn,
@@ -208,6 +236,17 @@ def _shard_params(fqn: str, module: nn.Module, contract: Contract, groups: dict[
                 full = f"{fqn}.{pname}" if fqn else pname
                 spec = make_spec(full, param.data, placement, groups[axis], replicas=replicas.get(pname, 1))
                 shard_parameter(param, spec)
+
+
+def _shard_row_vectors(fqn: str, module: nn.Module) -> None:
+    """A colwise ``nn.Linear`` subclass may scale its outputs with its own per-output parameter
+    (a vocab-sized ``logit_scale``): shard every such 1-D parameter like the weight's rows."""
+    spec = getattr(module._parameters.get("weight"), "_hp_shard", None)
+    if not isinstance(module, nn.Linear) or spec is None or spec.placement.dim != 0:
+        return
+    for name, param in module._parameters.items():
+        if param is not None and name not in ("weight", "bias") and tuple(param.shape) == spec.full_shape[:1]:
+            shard_parameter(param, make_spec(f"{fqn}.{name}", param.data, spec.placement, spec.group))
 
 
 def _defer_biases(

@@ -22,11 +22,21 @@ _HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_heads")
 _KV_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads")
 
 
+def _config_int(config: object, name: str) -> object:
+    try:  # some configs raise (not AttributeError) for per-layer attributes read globally
+        return getattr(config, name, None)
+    except Exception:  # noqa: BLE001
+        return None
+
+
 def _head_counts(module: nn.Module) -> tuple[int, int, int] | None:
+    """(heads, kv heads, head_dim) of an attention module (one that has a ``head_dim``), else None."""
+    if not isinstance(getattr(module, "head_dim", None), int):
+        return None
     config = getattr(module, "config", None)
-    heads = getattr(config, "num_attention_heads", None)
-    kv = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(module, "head_dim", None) or getattr(config, "head_dim", None)
+    heads = _config_int(config, "num_attention_heads")
+    kv = _config_int(config, "num_key_value_heads") or heads
+    head_dim = module.head_dim
     if not isinstance(heads, int) or not isinstance(kv, int) or not isinstance(head_dim, int):
         return None
     return heads, kv, head_dim
