@@ -67,13 +67,29 @@ def _outermost_roots(model: nn.Module) -> Iterator[tuple[str, nn.Module, registr
 
 
 def glob_regex(pattern: str) -> re.Pattern[str]:
-    """FQN glob: ``*`` is one path segment, ``**`` any number of segments."""
+    """FQN glob: ``*`` and ``?`` stay inside one path segment, ``[...]`` is a character class and
+    a ``**`` segment spans any number of segments."""
     parts = []
     for segment in pattern.split("."):
         if segment == "**":
             parts.append(r"[^.]+(?:\.[^.]+)*")
-        else:
-            parts.append(fnmatch.translate(segment).replace(r"(?s:", "(?:").rstrip(r"\Z").replace(".*", "[^.]*"))
+            continue
+        out, i = [], 0
+        while i < len(segment):
+            ch = segment[i]
+            close = segment.find("]", i + 1)
+            if ch == "*":
+                out.append("[^.]*")
+            elif ch == "?":
+                out.append("[^.]")
+            elif ch == "[" and close > i + 1:
+                body = segment[i + 1 : close]
+                out.append("[^" + re.escape(body[1:]) + "]" if body[0] == "!" else "[" + re.escape(body) + "]")
+                i = close
+            else:
+                out.append(re.escape(ch))
+            i += 1
+        parts.append("".join(out))
     return re.compile(r"\.".join(parts) + r"\Z")
 
 
@@ -112,8 +128,9 @@ def _bind_root(root: nn.Module, lowered: registry.Lowered) -> None:
     groups = {axis: mesh.group(axis) for axis in plan.mesh}
     _check_ranks_agree(lowered, root)
     bound = _match(root, lowered)
+    in_contract = {id(m) for _, m, _ in bound}
     for module in root.modules():
-        if hasattr(type(module), "_hp_form") and all(module is not m for _, m, _ in bound):
+        if hasattr(type(module), "_hp_form") and id(module) not in in_contract:
             module._hp_b = None  # a lowered class, used here outside any contract
     if all(group.size == 1 for group in groups.values()):
         return  # nothing is lowered at degree 1 (identity forms): the model runs as it is
