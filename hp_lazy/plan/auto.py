@@ -223,6 +223,13 @@ class _Builder:
                        "is defined in the module (or its same-module bases)")
         return params[0]
 
+    def _cross_inputs(self, name: str, first: str) -> list[str]:
+        """Other activations a boundary's forward takes (``encoder_hidden_states``,
+        ``key_value_states``): they meet colwise projections too, so they enter with ``copy_to``."""
+        forward = self.facts.forward(name)
+        params = forward_params(forward) if forward is not None else []
+        return [p for p in params if p != first and (p.endswith("hidden_states") or p == "key_value_states")]
+
     def _leaf(self, rule: _Rule) -> dict:
         name = self._class_of(rule, rule.key)
         if not self._is_linear(name):
@@ -334,6 +341,8 @@ class _Builder:
         src, dst = ("S(1)", "S(1)") if self.sp else ("R", "R")
         out = {"in_src": {x: {"tp": src}}, "in_dst": {x: {"tp": "R"}},
                "out_src": {"output": {"tp": "P(sum)"}}, "out_dst": {"output": {"tp": dst}}, "params": body["params"]}
+        for extra in self._cross_inputs(name, x):  # cross-attention: also projected by the colwise k/v
+            out["in_src"][extra] = out["in_dst"][extra] = {"tp": "R"}
         for field in ("deferred_bias_params", "grad_sum_params"):
             if body[field]:
                 out[field] = sorted(body[field])

@@ -151,6 +151,23 @@ def _bind_root(root: nn.Module, lowered: registry.Lowered) -> None:
     _check_shards_covered(root, bound)
 
 
+# Attributes of modules whose forward takes statistics over the features a colwise split shards:
+# on a shard they would be computed from part of the features, silently.
+_FEATURE_STATISTICS = {
+    "activation_sparsity": "keeps the top activations by the mean and std of the intermediate features",
+}
+
+
+def _refuse_feature_statistics(fqn: str, module: nn.Module, sharded_axes: frozenset[str]) -> None:
+    for attr, what in _FEATURE_STATISTICS.items():
+        value = getattr(module, attr, None)
+        if "tp" in sharded_axes and isinstance(value, (int, float)) and value > 0:
+            raise ShardingError(
+                f"{fqn}: {attr}={value} {what}, which tp splits across ranks, so each rank would use partial "
+                f"statistics; use a config with {attr}=0 for this layer, or leave this module out of the plan"
+            )
+
+
 def _match(root: nn.Module, lowered: registry.Lowered) -> list[tuple[str, nn.Module, Contract]]:
     """Every module of ``root`` that a contract names, matched from each instance of a root class
     of the plan inside it (so a text model nested in a composite model matches its patterns too)."""
@@ -186,6 +203,7 @@ def _bind_boundary(
     sharded_axes = frozenset(
         axis for placements in contract.params.values() for axis, p in placements.items() if p.is_shard
     )
+    _refuse_feature_statistics(fqn, module, sharded_axes)
     replicas = kv_replicas(fqn, module, contract, groups)
     _shard_params(fqn, module, contract, groups, replicas)
     _shard_row_vectors(fqn, module)

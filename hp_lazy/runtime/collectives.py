@@ -1,7 +1,8 @@
 """Autograd-aware collectives, Megatron style: each pair is named by where the tensor goes.
 
 Every pair takes its :class:`~hp_lazy.runtime.mesh.Group` (and dims) explicitly, returns its input
-unchanged when the group has size 1, works on CPU/gloo and CUDA/nccl alike (buffers are allocated
+unchanged when the group has size 1 or the input is ``None`` (an optional forward argument that was
+not passed, e.g. ``encoder_hidden_states`` of a decoder-only call), works on CPU/gloo and CUDA/nccl alike (buffers are allocated
 on the input's device), normalises negative dims against ``x.dim()`` and hands contiguous tensors
 to the wire. ``W`` below is the group size, ``r`` this rank.
 
@@ -260,31 +261,31 @@ class _Pair(torch.autograd.Function):
 
 def copy_to(x: torch.Tensor, g: Group) -> torch.Tensor:
     """Replicated input entering a region with sharded params: identity fwd, all-reduce bwd."""
-    return x if g.size == 1 else _Pair.apply(x, "copy_to", g, ())
+    return x if x is None or g.size == 1 else _Pair.apply(x, "copy_to", g, ())
 
 
 def reduce_from(x: torch.Tensor, g: Group) -> torch.Tensor:
     """Partial sums -> replicated: all-reduce fwd, identity bwd."""
-    return x if g.size == 1 else _Pair.apply(x, "reduce_from", g, ())
+    return x if x is None or g.size == 1 else _Pair.apply(x, "reduce_from", g, ())
 
 
 def gather_from(x: torch.Tensor, g: Group, dim: int) -> torch.Tensor:
     """``S(dim) -> R`` leaving a region: all-gather fwd, split (local chunk) bwd."""
-    if g.size == 1:
+    if x is None or g.size == 1:
         return x
     return _Pair.apply(x, "gather_from", g, (_dim(x, dim, "gather_from", g),))
 
 
 def gather_to(x: torch.Tensor, g: Group, dim: int) -> torch.Tensor:
     """``S(dim) -> R`` entering a region with sharded params: all-gather fwd, reduce-scatter bwd."""
-    if g.size == 1:
+    if x is None or g.size == 1:
         return x
     return _Pair.apply(x, "gather_to", g, (_dim(x, dim, "gather_to", g),))
 
 
 def scatter_to(x: torch.Tensor, g: Group, dim: int) -> torch.Tensor:
     """``R -> S(dim)``: keep chunk ``r`` fwd, all-gather bwd."""
-    if g.size == 1:
+    if x is None or g.size == 1:
         return x
     d = _dim(x, dim, "scatter_to", g)
     _divisible(x, d, "scatter_to", g)
@@ -293,7 +294,7 @@ def scatter_to(x: torch.Tensor, g: Group, dim: int) -> torch.Tensor:
 
 def reduce_scatter_to(x: torch.Tensor, g: Group, dim: int) -> torch.Tensor:
     """``P(sum) -> S(dim)``: reduce-scatter fwd, all-gather bwd."""
-    if g.size == 1:
+    if x is None or g.size == 1:
         return x
     d = _dim(x, dim, "reduce_scatter_to", g)
     _divisible(x, d, "reduce_scatter_to", g)
@@ -305,7 +306,7 @@ def all_to_all(x: torch.Tensor, g: Group, src_dim: int, dst_dim: int) -> torch.T
 
     ``[.., n, .., W*m, ..] -> [.., W*n, .., m, ..]`` (``src_dim`` grows, ``dst_dim`` shrinks).
     """
-    if g.size == 1:
+    if x is None or g.size == 1:
         return x
     src, dst = _dim(x, src_dim, "all_to_all", g), _dim(x, dst_dim, "all_to_all", g)
     _divisible(x, dst, "all_to_all", g)
