@@ -166,3 +166,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except HpLazyError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except BrokenPipeError:  # `python -m hp_lazy show ... | head`
+        sys.stdout = None  # type: ignore[assignment]  (nothing more to flush at exit)
+        return 0
