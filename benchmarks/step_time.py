@@ -266,7 +266,9 @@ def _load_hp_lazy(path: str, world: int, plain: Any) -> Loaded:
     vocab = os.environ.get("HP_LAZY_BENCH_EMBEDDING", "vocab") == "vocab"
     hp_lazy.activate(hp_lazy.Plan.auto(tp=world, vocab_parallel_embedding=vocab))
     real = importlib.import_module(REAL_NAME)
-    if not hasattr(real.LlamaMLP, "_hp_form"):
+    if getattr(real, "__hp_lazy__", None) is None:
+        raise RuntimeError(f"{REAL_NAME} was not imported through hp_lazy's hook")
+    if world > 1 and not hasattr(real.LlamaMLP, "_hp_form"):  # at tp=1 every form is identity: no rewrite
         raise RuntimeError(f"{REAL_NAME} was not lowered by hp_lazy")
     if hasattr(plain.LlamaMLP, "_hp_form") or real.LlamaMLP is plain.LlamaMLP:
         raise RuntimeError(f"{PLAIN_NAME} was lowered too; the plain variants would not be plain")

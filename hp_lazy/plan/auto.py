@@ -38,7 +38,8 @@ from hp_lazy.plan.resolve import ModuleFacts, analyze, forward_params
 _MODULE = re.compile(r"^transformers\.models\.(\w+)\.modeling_(\w+)$")
 GROUPED = frozenset({"colwise", "packed_colwise", "rowwise", "replicated_with_grad_allreduce"})
 LEAF = frozenset({"colwise_gather_output", "rowwise_split_input"})
-SUPPORTED = GROUPED | LEAF | {"embedding_rowwise"}
+MOE = "moe_tp_experts"
+SUPPORTED = GROUPED | LEAF | {"embedding_rowwise", MOE}
 LINEAR = "torch.nn.Linear"
 EMBEDDING = "torch.nn.Embedding"
 FIX = "write an explicit JSON plan for this module (Plan.from_json) instead of Plan.auto"
@@ -76,6 +77,23 @@ def auto_contracts(
     rules += _head_rules(facts)
     builder = _Builder(facts, tp, sequence_parallel, loss_parallel, vocab_parallel_embedding)
     return builder.build(rules)
+
+
+def auto_parts(
+    module_name: str, source: str, **flags: object
+) -> tuple[tuple[Contract, ...], dict[str, str]] | None:
+    """:func:`auto_contracts` plus the boundary class of each pattern whose slot holds several
+    classes (a layer's ``mlp`` that is a dense MLP in some layers and an MoE block in others)."""
+    if not _MODULE.match(module_name):
+        return None
+    facts = analyze(module_name, source)
+    config_plans = _config_plans(module_name, facts)
+    if not config_plans:
+        return None
+    rules = [r for name, plan in config_plans for r in _base_rules(facts, name, plan)]
+    rules += _head_rules(facts)
+    builder = _Builder(facts, **flags)  # type: ignore[arg-type]
+    return builder.build(rules), dict(builder.classes)
 
 
 def _config_plans(module_name: str, facts: ModuleFacts) -> list[tuple[str, dict[str, object]]]:
@@ -163,9 +181,12 @@ def _head_rules(facts: ModuleFacts) -> list[_Rule]:
 
 class _Builder:
     def __init__(
-        self, facts: ModuleFacts, tp: int, sequence_parallel: bool, loss_parallel: bool, vocab_embedding: bool = True
+        self, facts: ModuleFacts, tp: int = 2, sequence_parallel: bool = False, loss_parallel: bool = False,
+        vocab_parallel_embedding: bool = True,
     ) -> None:
-        self.vocab_embedding = vocab_embedding
+        self.vocab_embedding = vocab_parallel_embedding
+        self.classes: dict[str, str] = {}  # pattern -> class, where its slot holds several classes
+        self.moe: set[tuple[str, str]] = set()  # (base, key) of moe_tp_experts modules
         self.facts = facts
         self.mesh = {"tp": tp}
         self.sp = sequence_parallel
@@ -179,12 +200,18 @@ class _Builder:
                            "rowwise pairs, replicated_with_grad_allreduce, colwise_gather_output, "
                            "rowwise_split_input and embedding_rowwise)")
         grouped = [r for r in rules if r.style in GROUPED]
+        self.moe = {(r.base, r.key) for r in rules if r.style == MOE}
         for rule in rules:
+            if rule.style == MOE and self.sp:
+                self._fail(rule, "is not supported together with sequence_parallel yet")
             if rule.style in LEAF:
                 self._add(rule.pattern, self._leaf(rule), rule.owner)
             elif rule.style == "embedding_rowwise" and self.vocab_embedding:
                 self._add(rule.pattern, self._embedding(rule), rule.owner)
         boundaries = self._boundaries(grouped)
+        for rule in rules:
+            if rule.style == MOE and rule.prefix + rule.key not in self.bodies:
+                self._fail(rule, "has no packed_colwise/colwise -> rowwise expert parameters under it to shard")
         if self.vocab_embedding:
             self._implicit_embeddings(rules)
         self._check_nesting()
@@ -333,10 +360,41 @@ class _Builder:
         owners = self.facts.resolve(rule.base, owner_key) if owner_key else {rule.base}
         return any(leaf in self.facts.params(o) for o in owners if o in self.facts.classes)
 
+    def _boundary_class(self, rule: _Rule, parent: str, body: dict) -> str:
+        """The class at ``parent``; where the slot holds several (dense MLP or MoE block by layer),
+        the one class that has every planned child."""
+        names = self.facts.resolve(rule.base, parent)
+        if len(names) > 1:
+            children = {name.split(".")[0] for name in [*body["params"], *body["grad_sum_params"]]}
+            fits = [n for n in sorted(names) if n in self.facts.classes
+                    and children <= set(self.facts.children(n)) | self.facts.params(n)]
+            if len(fits) == 1:
+                self.classes[rule.prefix + parent] = fits[0]
+                return fits[0]
+        return self._class_of(rule, parent)
+
+    def _experts_body(self, rule: _Rule, name: str, body: dict) -> dict:
+        """transformers' ``moe_tp_experts``: every rank runs its slice of every expert; all inputs
+        (hidden states, routing weights) enter with copy_to, the partial sums are reduced at exit.
+        Bound at run time around the class's own forward, which transformers' experts decorator
+        dispatches to its kernels."""
+        forward = self.facts.forward(name)
+        inputs = forward_params(forward) if forward is not None else []
+        if not inputs:
+            self._fail(rule, f"needs the forward parameters of the experts class {name!r}")
+        out = {"in_src": {x: {"tp": "R"} for x in inputs}, "in_dst": {x: {"tp": "R"} for x in inputs},
+               "out_src": {"output": {"tp": "P(sum)"}}, "out_dst": {"output": {"tp": "R"}},
+               "params": body["params"], "skip_source_lowering": True}
+        if body["grad_sum_params"]:
+            out["grad_sum_params"] = sorted(body["grad_sum_params"])
+        return out
+
     def _boundary_body(self, rule: _Rule, parent: str, body: dict) -> dict:
-        name = self._class_of(rule, parent)
+        name = self._boundary_class(rule, parent, body)
         if name not in self.facts.classes:
             self._fail(rule, f"needs its enclosing module {parent!r} to be a class of the module, found {name!r}")
+        if (rule.base, parent) in self.moe:
+            return self._experts_body(rule, name, body)
         x = self._input_key(rule, name)
         src, dst = ("S(1)", "S(1)") if self.sp else ("R", "R")
         out = {"in_src": {x: {"tp": src}}, "in_dst": {x: {"tp": "R"}},
@@ -352,12 +410,17 @@ class _Builder:
         patterns = sorted(self.bodies)
         for outer in patterns:
             for inner in patterns:
-                if inner.startswith(outer + "."):
+                if inner.startswith(outer + ".") and self._contains(outer, inner[len(outer) + 1 :]):
                     raise PlanError(
                         f"{self.facts.module}: contract {inner!r} ({self.bodies[inner][1]}) lies inside contract "
                         f"{outer!r} ({self.bodies[outer][1]}); Plan.auto does not nest tensor-parallel "
                         f"boundaries; {FIX}"
                     )
+
+    def _contains(self, outer: str, rest: str) -> bool:
+        """Whether the class chosen for ``outer`` (when its slot holds several) reaches ``rest``."""
+        chosen = self.classes.get(outer)
+        return chosen is None or bool(self.facts.resolve(chosen, rest))
 
     def _containers(self, grouped: list[_Rule], boundaries: list[_Rule], rules: list[_Rule]) -> None:
         for rule in boundaries:

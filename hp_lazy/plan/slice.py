@@ -28,12 +28,12 @@ def slice_plan(plan: Plan, module: str, source: str) -> ModulePlan | None:
     if not plan.targets(module):
         return None
     if plan.auto is not None:
-        from hp_lazy.plan.auto import auto_contracts
+        from hp_lazy.plan.auto import auto_parts
 
-        contracts = auto_contracts(module, source, **plan.auto)
-        if contracts is None:
+        parts = auto_parts(module, source, **plan.auto)
+        if parts is None:
             return None
-        overrides, strict = {}, True
+        (contracts, overrides), strict = parts, True
     else:
         contracts, overrides = plan.boundaries, dict(plan.boundary_classes)
         strict = tuple(plan.modules) == (module,)

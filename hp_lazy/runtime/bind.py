@@ -158,6 +158,18 @@ _FEATURE_STATISTICS = {
 }
 
 
+def _refuse_expert_layouts(fqn: str, module: nn.Module, contract: Contract) -> None:
+    """Packed expert weights are cut as [gate; up] blocks on dim -2; transformers' experts
+    decorator also allows interleaved or transposed layouts, which that cut would scramble."""
+    packed = any(p.kind == "SS" for placements in contract.params.values() for p in placements.values())
+    if packed and (getattr(module, "is_concatenated", True) is False or getattr(module, "is_transposed", False)):
+        raise ShardingError(
+            f"{fqn}: expert weights stored with is_concatenated={getattr(module, 'is_concatenated', True)}, "
+            f"is_transposed={getattr(module, 'is_transposed', False)}; hp_lazy shards packed experts only in the "
+            "concatenated [gate; up], untransposed layout; leave these experts out of the plan"
+        )
+
+
 def _refuse_feature_statistics(fqn: str, module: nn.Module, sharded_axes: frozenset[str]) -> None:
     for attr, what in _FEATURE_STATISTICS.items():
         value = getattr(module, attr, None)
@@ -204,6 +216,7 @@ def _bind_boundary(
         axis for placements in contract.params.values() for axis, p in placements.items() if p.is_shard
     )
     _refuse_feature_statistics(fqn, module, sharded_axes)
+    _refuse_expert_layouts(fqn, module, contract)
     replicas = kv_replicas(fqn, module, contract, groups)
     _shard_params(fqn, module, contract, groups, replicas)
     _shard_row_vectors(fqn, module)

@@ -259,28 +259,36 @@ class _Pair(torch.autograd.Function):
         return _run(PAIRS[ctx.name][1], dy, ctx.g, ctx.dims[::-1], "backward"), None, None, None
 
 
+def _apply(x: torch.Tensor, name: str, g: Group, dims: tuple[int, ...]) -> torch.Tensor:
+    """The pair as an autograd node when a gradient will flow, else just its forward side (no
+    autograd bookkeeping under ``torch.no_grad()`` or on tensors that need no gradient)."""
+    if x.requires_grad and torch.is_grad_enabled():
+        return _Pair.apply(x, name, g, dims)
+    return _run(PAIRS[name][0], x, g, dims, "forward")
+
+
 def copy_to(x: torch.Tensor, g: Group) -> torch.Tensor:
     """Replicated input entering a region with sharded params: identity fwd, all-reduce bwd."""
-    return x if x is None or g.size == 1 else _Pair.apply(x, "copy_to", g, ())
+    return x if x is None or g.size == 1 else _apply(x, "copy_to", g, ())
 
 
 def reduce_from(x: torch.Tensor, g: Group) -> torch.Tensor:
     """Partial sums -> replicated: all-reduce fwd, identity bwd."""
-    return x if x is None or g.size == 1 else _Pair.apply(x, "reduce_from", g, ())
+    return x if x is None or g.size == 1 else _apply(x, "reduce_from", g, ())
 
 
 def gather_from(x: torch.Tensor, g: Group, dim: int) -> torch.Tensor:
     """``S(dim) -> R`` leaving a region: all-gather fwd, split (local chunk) bwd."""
     if x is None or g.size == 1:
         return x
-    return _Pair.apply(x, "gather_from", g, (_dim(x, dim, "gather_from", g),))
+    return _apply(x, "gather_from", g, (_dim(x, dim, "gather_from", g),))
 
 
 def gather_to(x: torch.Tensor, g: Group, dim: int) -> torch.Tensor:
     """``S(dim) -> R`` entering a region with sharded params: all-gather fwd, reduce-scatter bwd."""
     if x is None or g.size == 1:
         return x
-    return _Pair.apply(x, "gather_to", g, (_dim(x, dim, "gather_to", g),))
+    return _apply(x, "gather_to", g, (_dim(x, dim, "gather_to", g),))
 
 
 def scatter_to(x: torch.Tensor, g: Group, dim: int) -> torch.Tensor:
@@ -289,7 +297,7 @@ def scatter_to(x: torch.Tensor, g: Group, dim: int) -> torch.Tensor:
         return x
     d = _dim(x, dim, "scatter_to", g)
     _divisible(x, d, "scatter_to", g)
-    return _Pair.apply(x, "scatter_to", g, (d,))
+    return _apply(x, "scatter_to", g, (d,))
 
 
 def reduce_scatter_to(x: torch.Tensor, g: Group, dim: int) -> torch.Tensor:
@@ -298,7 +306,7 @@ def reduce_scatter_to(x: torch.Tensor, g: Group, dim: int) -> torch.Tensor:
         return x
     d = _dim(x, dim, "reduce_scatter_to", g)
     _divisible(x, d, "reduce_scatter_to", g)
-    return _Pair.apply(x, "reduce_scatter_to", g, (d,))
+    return _apply(x, "reduce_scatter_to", g, (d,))
 
 
 def all_to_all(x: torch.Tensor, g: Group, src_dim: int, dst_dim: int) -> torch.Tensor:
@@ -310,7 +318,7 @@ def all_to_all(x: torch.Tensor, g: Group, src_dim: int, dst_dim: int) -> torch.T
         return x
     src, dst = _dim(x, src_dim, "all_to_all", g), _dim(x, dst_dim, "all_to_all", g)
     _divisible(x, dst, "all_to_all", g)
-    return _Pair.apply(x, "all_to_all", g, (src, dst))
+    return _apply(x, "all_to_all", g, (src, dst))
 
 
 # --------------------------------------------------------------------------- outside autograd
