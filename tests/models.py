@@ -17,7 +17,13 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3": ("Qwen3Config", {"head_dim": 8}),
     # tied weights behind a scaled nn.Embedding subclass
     "gemma": ("GemmaConfig", {"head_dim": 8, "tie_word_embeddings": True}),
+    # experts tensor parallel (moe_tp_experts); layer 0 a dense MLP, layer 1 an MoE block
+    "qwen3_moe": ("Qwen3MoeConfig", {"head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2,
+                                     "moe_intermediate_size": 32, "mlp_only_layers": [0], "norm_topk_prob": True}),
 }
+
+MOE = ("qwen3_moe",)
+"""Not yet under sequence parallel (Plan.auto refuses it with a PlanError)."""
 
 BASE = dict(
     vocab_size=VOCAB,
