@@ -123,15 +123,35 @@ def test_sequence_parallel_rejects_per_linear_gathers() -> None:
     )
 
 
-@pytest.mark.parametrize("family,config", [("qwen3_moe", "Qwen3MoeConfig"), ("deepseek_v3", "DeepseekV3Config")])
-def test_moe_families_fail_with_a_clear_error(family: str, config: str) -> None:
+def test_moe_experts_are_tensor_parallel_and_dense_slots_pick_their_class() -> None:
+    """qwen3_moe: ``layers.*.mlp`` is a dense MLP in some layers and an MoE block in others; the
+    dense contract binds only the class that has gate/up/down, the experts get moe_tp_experts."""
+    plan = Plan.auto(tp=2).slice(*source("qwen3_moe"))
+    experts = plan.contract("model.layers.*.mlp.experts").to_dict()
+    assert experts == {
+        "in_src": {name: {"tp": "R"} for name in ("hidden_states", "top_k_index", "top_k_weights")},
+        "in_dst": {name: {"tp": "R"} for name in ("hidden_states", "top_k_index", "top_k_weights")},
+        "out_src": {"output": {"tp": "P(sum)"}}, "out_dst": {"output": {"tp": "R"}},
+        "params": {"down_proj": {"tp": "S(-1)"}, "gate_up_proj": {"tp": "SS(-2,2)"}},
+        "skip_source_lowering": True,
+    }
+    assert plan.classes["model.layers.*.mlp"] == "Qwen3MoeMLP"
+    assert plan.classes["model.layers.*.mlp.experts"] == "Qwen3MoeExperts"
+
+
+def test_experts_under_sequence_parallel_and_mla_are_refused() -> None:
     with pytest.raises(PlanError) as info:
-        Plan.auto(tp=2).slice(*source(family))
+        Plan.auto(tp=2, sequence_parallel=True).slice(*source("qwen3_moe"))
     assert str(info.value) == (
-        f"transformers.models.{family}.modeling_{family}: {config}.base_model_tp_plan['layers.*.mlp.experts'] = "
-        "'moe_tp_experts' is not a style Plan.auto translates (it handles colwise/packed_colwise -> rowwise pairs, "
-        "replicated_with_grad_allreduce, colwise_gather_output, rowwise_split_input and embedding_rowwise); "
+        "transformers.models.qwen3_moe.modeling_qwen3_moe: Qwen3MoeConfig.base_model_tp_plan['layers.*.mlp.experts'] "
+        "= 'moe_tp_experts' is not supported together with sequence_parallel yet; "
         "write an explicit JSON plan for this module (Plan.from_json) instead of Plan.auto"
+    )
+    with pytest.raises(PlanError) as info:
+        Plan.auto(tp=2).slice(*source("minicpm3"))
+    assert str(info.value).startswith(
+        "transformers.models.minicpm3.modeling_minicpm3: MiniCPM3Config.base_model_tp_plan"
+        "['layers.*.self_attn.kv_a_proj_with_mqa'] = 'mla_kv_a_proj' is not a style Plan.auto translates"
     )
 
 

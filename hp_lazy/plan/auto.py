@@ -67,16 +67,11 @@ def auto_contracts(
 ) -> tuple[Contract, ...] | None:
     """Contracts for one ``transformers.models.<x>.modeling_<x>`` module, or None when the module
     is not such a module or its configs declare no ``base_model_tp_plan``."""
-    if not _MODULE.match(module_name):
-        return None
-    facts = analyze(module_name, source)
-    config_plans = _config_plans(module_name, facts)
-    if not config_plans:
-        return None
-    rules = [r for name, plan in config_plans for r in _base_rules(facts, name, plan)]
-    rules += _head_rules(facts)
-    builder = _Builder(facts, tp, sequence_parallel, loss_parallel, vocab_parallel_embedding)
-    return builder.build(rules)
+    parts = auto_parts(
+        module_name, source, tp=tp, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
+        vocab_parallel_embedding=vocab_parallel_embedding,
+    )
+    return None if parts is None else parts[0]
 
 
 def auto_parts(
