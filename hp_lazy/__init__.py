@@ -25,6 +25,7 @@ __all__ = [
     "full_grads",
     "full_state_dict",
     "lower_source",
+    "mesh",
     "parallelize",
 ]
 
@@ -36,6 +37,7 @@ _LAZY = {
     "full_state_dict": "hp_lazy.runtime.state",
     "full_grads": "hp_lazy.runtime.state",
     "collective_counter": "hp_lazy.runtime.collectives",
+    "mesh": "hp_lazy.runtime.mesh",
 }
 
 

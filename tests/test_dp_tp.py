@@ -20,10 +20,9 @@ def _activate(rank: int, world: int) -> None:
 
 def _shards(rank: int, world: int, path: str) -> dict:
     import hp_lazy
-    from hp_lazy.runtime.mesh import get_mesh
 
     model = hp_lazy.parallelize(parity._load(path))
-    mesh = get_mesh({"tp": 2})
+    mesh = hp_lazy.mesh()  # what a user hands DDP: mesh.group("dp").pg
     return {"q": model.model.layers[0].self_attn.q_proj.weight.detach().clone(),
             "tp_rank": mesh.group("tp").rank, "dp_rank": mesh.group("dp").rank}
 

@@ -182,3 +182,14 @@ def _build(shape: tuple[tuple[str, int], ...], world: int) -> Mesh:
 def clear_mesh_cache() -> None:
     """Forget the built meshes (after ``destroy_process_group``; tests)."""
     _MESHES.clear()
+
+
+def mesh() -> Mesh:
+    """The mesh of the active plan (``hp_lazy.mesh()``): its ``group("dp").pg`` is the process
+    group to give DDP/FSDP, ``device_mesh`` the torch ``DeviceMesh`` with named axes."""
+    from hp_lazy.hook.api import active_plan
+
+    plan = active_plan()
+    if plan is None:
+        raise ShardingError("hp_lazy.mesh(): no plan is active; call hp_lazy.activate(plan) first")
+    return get_mesh(dict(plan.mesh))
