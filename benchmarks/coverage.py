@@ -301,6 +301,11 @@ def _step(model: Any, mode: str) -> tuple[Any, Any]:
     return hidden.detach().clone(), loss.detach().clone()
 
 
+def _load_options() -> dict[str, str]:
+    """fp64 runs use the eager experts: transformers' grouped_mm kernels take no float64."""
+    return {"experts_implementation": "eager"} if os.environ.get("HP_COVERAGE_DTYPE") == "float64" else {}
+
+
 def _dtype() -> Any:
     import torch
 
@@ -319,7 +324,7 @@ def child_reference(family: str, workdir: str) -> None:
         return _write_error(os.path.join(workdir, "skip.json"), exc)
     try:
         torch.manual_seed(0)
-        model = getattr(transformers, auto).from_pretrained(workdir, dtype=_dtype())
+        model = getattr(transformers, auto).from_pretrained(workdir, dtype=_dtype(), **_load_options())
         out, loss = _step(model, mode)
         grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     except Exception as exc:  # noqa: BLE001
@@ -346,7 +351,7 @@ def child_rank(family: str, workdir: str) -> None:
         with open(os.path.join(workdir, "meta.json"), encoding="utf-8") as f:
             meta = json.load(f)
         torch.manual_seed(0)
-        model = getattr(transformers, meta["auto"]).from_pretrained(workdir, dtype=_dtype())
+        model = getattr(transformers, meta["auto"]).from_pretrained(workdir, dtype=_dtype(), **_load_options())
         hp_lazy.parallelize(model)
         sharded = sum(getattr(p, "_hp_shard", None) is not None for p in model.parameters())
         total = sum(1 for _ in model.parameters())
