@@ -98,7 +98,6 @@ def reference(path: str, ids) -> dict[str, Any]:
 
 
 def rel_err(a, b) -> float:
-    import torch
 
     a, b = a.double(), b.double()
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))

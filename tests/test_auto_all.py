@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import ast
 import glob
 import os
 from collections import Counter

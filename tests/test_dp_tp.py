@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import torch
 
-import models
 import parity
 from dist import DistPool, pool_fixture
 

@@ -9,18 +9,16 @@ so after ``activate`` a model runs in parallel with no further call.
 
 from __future__ import annotations
 
-import fnmatch
 import importlib
 import re
 from typing import Iterator
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
 from hp_lazy.errors import ShardingError
 from hp_lazy.plan.model import Contract, ModulePlan
-from hp_lazy.runtime import collectives, leaves, registry
+from hp_lazy.runtime import leaves, registry
 from hp_lazy.runtime.binding import Binding, compile_ops
 from hp_lazy.runtime.gradsum import GradSum
 from hp_lazy.runtime.heads import fit_attention_heads, kv_replicas
