@@ -192,3 +192,20 @@ def test_packed_shard_takes_each_rank_its_chunk_of_every_block(pool: DistPool) -
         expected = torch.cat([gate[2 * rank : 2 * rank + 2], up[2 * rank : 2 * rank + 2]])
         assert torch.equal(result["local"], expected)
         assert torch.equal(result["full"], torch.cat([gate, up]))
+
+
+def _generate(rank: int, world: int, path: str):
+    model = parity._load(path)
+    return model.generate(models.batch()[:1, :8], max_new_tokens=6, do_sample=False)
+
+
+def test_generate_with_kv_cache_matches_one_process(pool: DistPool, root: str) -> None:
+    """Inference too: the cache holds each rank's heads; greedy tokens equal one process's."""
+    import transformers
+
+    path = models.build("llama_gqa", root)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(path)
+    expected = reference.generate(models.batch()[:1, :8], max_new_tokens=6, do_sample=False)
+    got = pool.run(_generate, path)
+    assert expected.shape == (1, 14)
+    assert all(torch.equal(tokens, expected) for tokens in got)
