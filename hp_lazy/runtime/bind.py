@@ -231,7 +231,7 @@ def _bind_boundary(
     if hasattr(type(module), "_hp_form") and not contract.skip_source_lowering:
         module._hp_b = binding
     else:
-        leaves.install(module, binding, plan)
+        leaves.install(module, binding)
 
 
 def _local_compute(fqn: str, plan: ModulePlan):

@@ -23,11 +23,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from hp_lazy.errors import ShardingError
-from hp_lazy.plan.model import ModulePlan
 from hp_lazy.runtime.binding import Binding
 
 
-def install(module: nn.Module, binding: Binding, plan: ModulePlan) -> None:
+def install(module: nn.Module, binding: Binding) -> None:
     module._hp_b = binding
     if isinstance(module, nn.ModuleList):
         _install_stack(module, binding)
