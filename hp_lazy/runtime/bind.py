@@ -139,12 +139,11 @@ def _bind_root(root: nn.Module, lowered: registry.Lowered) -> None:
             f"matches a module of this model (its modules are named like {names}); write the patterns "
             "relative to the top-level model, in an explicit plan for composite models"
         )
-    tp = groups.get("tp")
-    grad_sum = GradSum(tp) if tp is not None and tp.size > 1 else None
     for fqn, module, contract in bound:
-        _bind_boundary(fqn, module, contract, plan, groups, grad_sum)
-    if grad_sum is not None:
-        _install_grad_sums(bound, grad_sum)
+        _bind_boundary(fqn, module, contract, plan, groups)
+    tp = groups.get("tp")
+    if tp is not None and tp.size > 1:
+        _install_grad_sums(bound, GradSum(tp))
     _install_parallel_loss(root, bound, groups)
     _check_shards_covered(root, bound)
 
@@ -206,10 +205,7 @@ def _match(root: nn.Module, lowered: registry.Lowered) -> list[tuple[str, nn.Mod
     return list(found.values())  # model order
 
 
-def _bind_boundary(
-    fqn: str, module: nn.Module, contract: Contract, plan: ModulePlan, groups: dict[str, Group],
-    grad_sum: GradSum | None,
-) -> None:
+def _bind_boundary(fqn: str, module: nn.Module, contract: Contract, plan: ModulePlan, groups: dict[str, Group]) -> None:
     sharded_axes = frozenset(
         axis for placements in contract.params.values() for axis, p in placements.items() if p.is_shard
     )
@@ -225,7 +221,7 @@ def _bind_boundary(
         groups=groups,
         in_ops=compile_ops(contract, groups, sharded_axes, entry=True),
         out_ops=compile_ops(contract, groups, sharded_axes, entry=False),
-        deferred_biases=_defer_biases(fqn, module, contract, groups, grad_sum),
+        deferred_biases=_defer_biases(fqn, module, contract),
         compute=_local_compute(fqn, plan),
     )
     if hasattr(type(module), "_hp_form") and not contract.skip_source_lowering:
@@ -295,24 +291,15 @@ def _shard_row_vectors(fqn: str, module: nn.Module) -> None:
             shard_parameter(param, make_spec(f"{fqn}.{name}", param.data, spec.placement, spec.group))
 
 
-def _defer_biases(
-    fqn: str, module: nn.Module, contract: Contract, groups: dict[str, Group], grad_sum: GradSum | None
-) -> tuple[nn.Parameter, ...]:
-    """Rowwise biases, added once after the reduction. When the reduction scatters (sequence
-    parallel: P(sum) -> S(1)), the bias meets only this rank's tokens, so its gradient is summed
-    over tp."""
-    out = contract.out_dst.get("output", {}).get("tp")
-    sharded_out = out is not None and out.is_shard and "tp" in groups and groups["tp"].size > 1
+def _defer_biases(fqn: str, module: nn.Module, contract: Contract) -> tuple[nn.Parameter, ...]:
+    """Rowwise biases, kept out of their Linear and added once after the reduction."""
     biases = []
     for name in contract.deferred_bias_params:
-        owner_name = name.rpartition(".")[0]
         param = _get_param(module, name)
         if param is None:
             continue  # the model was built without this bias (e.g. attention_bias=False)
-        owner = module.get_submodule(owner_name) if owner_name else module
-        leaves.suppress_bias(owner)
-        if sharded_out and grad_sum is not None:
-            grad_sum.add(param)
+        owner_name = name.rpartition(".")[0]
+        leaves.suppress_bias(module.get_submodule(owner_name) if owner_name else module)
         biases.append(param)
     return tuple(biases)
 
@@ -323,16 +310,20 @@ def _install_grad_sums(bound: list[tuple[str, nn.Module, Contract]], grad_sum: G
     - every unsharded parameter inside a boundary that has tp-sharded parameters (its output is a
       sum of per-rank parts, so each rank's gradient of anything inside is a part too: Qwen3's q/k
       norms, a learnable activation, a diff-attention lambda), except the deferred biases, which are
-      added once after the reduction;
+      added once after the reduction — unless the reduction scatters (sequence parallel:
+      ``P(sum) -> S(1)``): then a bias meets only this rank's tokens and is summed too;
     - the contract's ``grad_sum_params``; ``"*"`` means every parameter under the module that no
       contract with params claims (the norms of a sequence-parallel layer stack).
     """
     claimed = {id(p) for fqn, m, c in bound if c.params for p in m.parameters()}
     for fqn, module, contract in bound:
         params = []
+        deferred = [p for name in contract.deferred_bias_params if (p := _get_param(module, name)) is not None]
         if any(p.is_shard for placements in contract.params.values() for axis, p in placements.items() if axis == "tp"):
-            deferred = {id(p) for name in contract.deferred_bias_params if (p := _get_param(module, name)) is not None}
-            params += [p for p in module.parameters() if id(p) not in deferred]
+            params += [p for p in module.parameters() if all(p is not d for d in deferred)]
+        out = contract.out_dst.get("output", {}).get("tp")
+        if out is not None and out.is_shard:
+            params += deferred
         for name in contract.grad_sum_params:
             if name in ("*", "**"):
                 params += [p for p in module.parameters() if id(p) not in claimed]

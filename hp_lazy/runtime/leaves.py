@@ -144,7 +144,4 @@ def suppress_bias(owner: nn.Module) -> None:
 
 @lru_cache(maxsize=None)
 def _subclass(cls: type, mixin: type) -> type:
-    name = f"{cls.__name__}"
-    sub = type(name, (mixin, cls), {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
-    sub._hp_original_class = cls
-    return sub
+    return type(cls.__name__, (mixin, cls), {"__module__": cls.__module__, "__qualname__": cls.__qualname__})

@@ -37,7 +37,3 @@ def lowered_for(cls: type) -> tuple[Lowered, str] | None:
         if found is not None and klass.__name__ in found.plan.roots:
             return found, klass.__name__
     return None
-
-
-def all_lowered() -> tuple[Lowered, ...]:
-    return tuple(_LOWERED.values())
