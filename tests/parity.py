@@ -27,11 +27,11 @@ class References:
         return path, self._cache[name]
 
 
-def activated(pool, *, sequence_parallel: bool):
-    """``pool`` with ``hp_lazy.activate("auto", tp=world)`` done on every rank, once per set of
-    workers (a pool restarts its workers after a worker error)."""
+def activated(pool, *, tp: int | None = None, **flags: bool):
+    """``pool`` with ``hp_lazy.activate(Plan.auto(tp=tp or world, **flags))`` done on every rank,
+    once per set of workers (a pool restarts its workers after a worker error)."""
     if getattr(pool, "_hp_activated", None) is not pool._procs or not pool._procs:
-        pool.run(activate, "auto", pool.world_size, sequence_parallel)
+        pool.run(activate, tp or pool.world_size, flags)
         pool._hp_activated = pool._procs
     return pool
 
@@ -46,10 +46,10 @@ def check_parity(pool, refs: References, name: str) -> dict[str, float]:
     return errors
 
 
-def activate(rank: int, world: int, plan: str, tp: int, sequence_parallel: bool) -> None:
+def activate(rank: int, world: int, tp: int, flags: dict[str, bool]) -> None:
     import hp_lazy
 
-    hp_lazy.activate(plan, tp=tp, sequence_parallel=sequence_parallel)
+    hp_lazy.activate(hp_lazy.Plan.auto(tp=tp, **flags))
 
 
 def _load(path: str):

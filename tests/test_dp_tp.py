@@ -11,12 +11,6 @@ from dist import DistPool, pool_fixture
 pool4 = pool_fixture(4, timeout=180)
 
 
-def _activate(rank: int, world: int) -> None:
-    import hp_lazy
-
-    hp_lazy.activate("auto", tp=2)
-
-
 def _shards(rank: int, world: int, path: str) -> dict:
     import hp_lazy
 
@@ -27,7 +21,7 @@ def _shards(rank: int, world: int, path: str) -> dict:
 
 
 def test_two_tp_groups_in_a_four_rank_world(pool4: DistPool, refs) -> None:
-    pool4.run(_activate)
+    parity.activated(pool4, tp=2)
     errors = parity.check_parity(pool4, refs, "llama")  # every rank's logits and loss, rank 0's grads
     assert max(errors.values()) <= parity.TOL
     path, _ = refs("llama")

@@ -13,12 +13,6 @@ from dist import DistPool, pool_fixture
 pool2 = pool_fixture(2, timeout=120)
 
 
-def _activate(rank: int, world: int) -> None:
-    import hp_lazy
-
-    hp_lazy.activate(hp_lazy.Plan.auto(tp=world, loss_parallel=True))
-
-
 def _train(rank: int, world: int, path: str, ids) -> dict:
     import hp_lazy
 
@@ -34,7 +28,7 @@ def _train(rank: int, world: int, path: str, ids) -> dict:
 def test_vocab_parallel_loss_matches_one_process(name: str, pool2: DistPool, tmp_path) -> None:
     path = models.build(name, str(tmp_path))
     ref = models.reference(path, models.batch())
-    pool2.run(_activate)
+    parity.activated(pool2, loss_parallel=True)
     results = pool2.run(_train, path, models.batch())
     half = models.VOCAB // 2
     for rank, got in enumerate(results):

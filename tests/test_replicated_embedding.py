@@ -17,18 +17,9 @@ from dist import DistPool, WorkerError, pool_fixture
 pool2 = pool_fixture(2, timeout=120)
 
 
-def _activate(rank: int, world: int) -> None:
-    import hp_lazy
-
-    hp_lazy.activate(hp_lazy.Plan.auto(tp=world, vocab_parallel_embedding=False))
-
-
 @pytest.fixture
 def pool(pool2: DistPool) -> DistPool:
-    if getattr(pool2, "_hp_activated", None) is not pool2._procs or not pool2._procs:
-        pool2.run(_activate)
-        pool2._hp_activated = pool2._procs
-    return pool2
+    return parity.activated(pool2, vocab_parallel_embedding=False)
 
 
 def test_replicated_embedding_parity_and_counts(pool: DistPool, refs) -> None:
