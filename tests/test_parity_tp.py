@@ -48,3 +48,7 @@ def test_collectives_are_megatron_minimal(world: int, refs, pool2: DistPool, poo
     path, _ = refs("qwen3")  # + one all-reduce for every q/k norm gradient together
     counts = _pool(world, pool2, pool4).run(parity.count, path, models.batch())
     assert counts[0]["backward"] == {"all_reduce": 2 * layers + 2}
+    if world == 4:  # K/V heads replicated on 2 ranks each: their gradients joined into that same one
+        path, _ = refs("llama_gqa")
+        counts = _pool(world, pool2, pool4).run(parity.count, path, models.batch())
+        assert counts[0]["backward"] == {"all_reduce": 2 * layers + 2}

@@ -332,6 +332,10 @@ def _install_grad_sums(bound: list[tuple[str, nn.Module, Contract]], grad_sum: G
         for param in params:
             if getattr(param, "_hp_shard", None) is None:
                 grad_sum.add(param)
+        for param in module.parameters():  # K/V shards kept on several ranks: summed over those
+            spec = getattr(param, "_hp_shard", None)
+            if spec is not None and spec.replicas > 1:
+                grad_sum.add(param, replicas=spec.replicas)
 
 
 def _check_shards_covered(root: nn.Module, bound: list[tuple[str, nn.Module, Contract]]) -> None:

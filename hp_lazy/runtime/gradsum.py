@@ -6,6 +6,10 @@ tokens). Their gradient contributions of one backward pass are summed over the g
 all-reduce at the end of that pass (``queue_callback``), not one per parameter — what Megatron
 does for sequence-parallel norms after the backward. Gradient accumulation over micro-batches is
 respected: only this pass's contribution is reduced.
+
+A parameter shard held by ``replicas`` ranks of the group (a K/V head kept on ``tp / kv`` ranks) is
+summed over those ranks only: it goes into its head's slot of a zero stack, so the same all-reduce
+sums every slot at once (no extra process groups).
 """
 
 from __future__ import annotations
@@ -24,12 +28,13 @@ class GradSum:
         self.group = group
         self._pending: list[tuple[nn.Parameter, torch.Tensor, bool]] = []
 
-    def add(self, param: nn.Parameter) -> None:
-        """Sum ``param``'s gradient over the group from now on (once per parameter)."""
+    def add(self, param: nn.Parameter, replicas: int | None = None) -> None:
+        """Sum ``param``'s gradient over the group from now on (once per parameter); with
+        ``replicas``, only over the ranks ``r`` with the same ``r // replicas``."""
         if getattr(param, "_hp_grad_sum", False):
             return
         param.register_hook(lambda grad, param=param: self._collect(param, grad))
-        param._hp_grad_sum = True
+        param._hp_grad_sum = replicas or self.group.size
 
     def _collect(self, param: nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
         if not self._pending:
@@ -42,13 +47,24 @@ class GradSum:
         for dtype in sorted({g.dtype for _, g, _ in pending}, key=str):
             self._reduce([item for item in pending if item[1].dtype == dtype])
 
+    def _slots(self, param: nn.Parameter) -> tuple[int, int]:
+        """(slots in the stack, this rank's slot); (1, 0) for a parameter summed over the group."""
+        replicas = param._hp_grad_sum
+        return self.group.size // replicas, self.group.rank // replicas
+
     def _reduce(self, items: list[tuple[nn.Parameter, torch.Tensor, bool]]) -> None:
-        flat = torch.cat([grad.reshape(-1) for _, grad, _ in items])
-        summed = collectives.all_reduce_(flat.clone(), self.group)
+        parts = []
+        for param, grad, _ in items:
+            slots, mine = self._slots(param)
+            stack = grad.new_zeros((slots, grad.numel()))
+            stack[mine] = grad.reshape(-1)
+            parts.append(stack.reshape(-1))
+        summed = collectives.all_reduce_(torch.cat(parts), self.group)
         offset = 0
         for param, grad, fresh in items:
-            part = summed[offset : offset + grad.numel()].view_as(grad)
-            offset += grad.numel()
+            slots, mine = self._slots(param)
+            part = summed[offset : offset + slots * grad.numel()].view(slots, -1)[mine].view_as(grad)
+            offset += slots * grad.numel()
             if fresh:  # .grad was created by this pass: it is exactly this contribution
                 param.grad.copy_(part)
             else:  # accumulating: replace this pass's local contribution by its sum

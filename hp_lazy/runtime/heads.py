@@ -3,19 +3,18 @@ counts a module keeps (``num_key_value_groups`` and friends) after its projectio
 
 Attention code that reshapes with ``-1`` needs nothing; a module that caches a head count gets it
 divided here. With ``num_key_value_heads`` < tp, each K/V head is kept on ``tp / kv`` ranks
-(those whose query heads use it) and its gradient is summed over them.
+(those whose query heads use it); its gradient is summed over them by
+:class:`hp_lazy.runtime.gradsum.GradSum`.
 """
 
 from __future__ import annotations
 
 from typing import Mapping
 
-import torch
 from torch import nn
 
 from hp_lazy.errors import ShardingError
 from hp_lazy.plan.model import Contract
-from hp_lazy.runtime import collectives
 from hp_lazy.runtime.mesh import Group
 
 _HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_heads")
@@ -72,8 +71,7 @@ def kv_replicas(fqn: str, module: nn.Module, contract: Contract, groups: Mapping
     for name in _tp_sharded_rows(contract):
         param = _param(module, name)
         if param is not None and param.shape[0] == kv * head_dim:
-            replicas[name] = tp // kv
-            param.register_hook(_replica_grad_sum(group, tp // kv))
+            replicas[name] = tp // kv  # its gradient is summed over the replicas (bind -> GradSum)
     return replicas
 
 
@@ -83,21 +81,6 @@ def _param(module: nn.Module, name: str) -> nn.Parameter | None:
         return (module.get_submodule(owner) if owner else module)._parameters.get(leaf)
     except AttributeError:
         return None
-
-
-def _replica_grad_sum(group: Group, replicas: int):
-    """Sum a replicated K/V shard's gradient over the ranks holding the same head.
-
-    Each rank puts its gradient in its head's slot of a zero stack; one all-reduce over tp sums
-    every slot at once (no extra process groups)."""
-
-    def hook(grad: torch.Tensor) -> torch.Tensor:
-        stack = grad.new_zeros((group.size // replicas, *grad.shape))
-        stack[group.rank // replicas] = grad
-        collectives.all_reduce_(stack, group)
-        return stack[group.rank // replicas]
-
-    return hook
 
 
 def fit_attention_heads(
