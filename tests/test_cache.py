@@ -13,7 +13,14 @@ import pytest
 
 from hp_lazy.errors import PlanError
 from hp_lazy.hook import cache as cache_mod
-from hp_lazy.hook.cache import Cache, cache_key, default_root, lowerer_code_hash, read_meta
+from hp_lazy.hook.cache import (
+    Cache,
+    CacheTrustWarning,
+    cache_key,
+    default_root,
+    lowerer_code_hash,
+    read_meta,
+)
 
 SRC_SHA = "ab" * 32
 BASE = dict(slice_hash="s1", source_sha256=SRC_SHA, module="pkg.modeling_x", origin="/x/modeling_x.py")
@@ -75,6 +82,7 @@ def test_round_trip_and_meta(tmp_path: Path) -> None:
     meta = read_meta(path)
     assert meta is not None and meta["module"] == BASE["module"] and meta["key"] == key
     assert meta["pid"] == os.getpid()
+    assert path.read_bytes()[4:6] == (2).to_bytes(2, "little")  # file format 2: HMAC-signed
 
 
 @pytest.mark.parametrize(
@@ -161,15 +169,15 @@ def test_write_failure_falls_back_without_leftovers(
     assert cache.stats().temp_files == 0 and cache.stats().entries == 0
 
 
-def test_group_writable_dir_is_refused(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_group_writable_dir_is_refused(tmp_path: Path) -> None:
     root = tmp_path / "shared"
     root.mkdir()
     root.chmod(0o777)
     cache = Cache(root, "rw")
-    with caplog.at_level(logging.WARNING, logger="hp_lazy.hook"):
+    with pytest.warns(CacheTrustWarning, match=r"shared: mode 0o777 is group/world-writable"):
         assert cache.store("aa" * 32, "m", SRC_SHA, _code(), "/x.py") is None
-    assert "group- or world-writable" in caplog.text
     assert not any(root.iterdir())
+    assert _run(cache.load("aa" * 32, "m", SRC_SHA)) == 1  # kept in memory
 
 
 def test_new_dirs_are_private(tmp_path: Path) -> None:

@@ -1,27 +1,44 @@
-"""The lowered-code cache: one content-addressed file per (plan slice, source, lowerer, Python).
+"""The lowered-code cache: one content-addressed, HMAC-signed file per (plan slice, source,
+lowerer, Python), read and written only inside directories that no one else can write.
 
-Layout: ``<root>/v1/<cache_tag>/<module>/<key[:32]>.hplz``; ``root`` is ``activate(cache_dir=)``,
-else ``$HP_LAZY_CACHE_DIR``, else ``${XDG_CACHE_HOME:-~/.cache}/hp_lazy``.
+Layout: ``<root>/v1/<cache_tag>/<module>/<key[:32]>.hplz`` and ``<root>/key``; ``root`` is
+``activate(cache_dir=)``, else ``$HP_LAZY_CACHE_DIR``, else ``${XDG_CACHE_HOME:-~/.cache}/hp_lazy``.
 
-Key: sha256 of the canonical JSON of the plan slice hash, the source sha256, the hp_lazy version,
-the lowerer's own code hash (``hp_lazy/lower/*.py`` + ``hp_lazy/plan/*.py``, once per process),
-the bytecode magic and cache tag, ``sys.flags.optimize``, the module name and the origin's realpath.
-Nothing is overwritten in place: any change of input gives a new file.
+Key: sha256 of the canonical JSON of the file format, the plan slice hash, the source sha256, the
+hp_lazy version, the lowerer's own code hash (``hp_lazy/lower/*.py`` + ``hp_lazy/plan/*.py``, once
+per process), the bytecode magic and cache tag, ``sys.flags.optimize``, the module name and the
+origin's realpath. Nothing is overwritten in place: any change of input gives a new file.
 
-File (little-endian)::
+File, format 2 (little-endian)::
 
     0   4  b"HPLZ"              8  4  importlib.util.MAGIC_NUMBER
-    4   2  format version (1)   12 32 sha256(source bytes)
+    4   2  format version (2)   12 32 sha256(source bytes)
     6   2  flags (0)            44 32 key digest
-    76  32 sha256(payload)      108 4 len(meta)
-    112 n  meta (UTF-8 JSON: module, origin, hp_lazy, plan, created, host, pid)
+    76  32 HMAC-SHA256(<root>/key, the whole file with these 32 bytes zeroed)
+    108 4  len(meta)
+    112 n  meta (UTF-8 JSON: module, origin, key, hp_lazy, created, host, pid)
     ..     payload: marshal.dumps(code)
 
-A reader checks every header field, then the payload digest, then unmarshals; any failure is a
-miss (logged at debug), never a crash. Writes go to a unique temp file in the same directory and
-``os.replace`` it, so ranks importing at once neither corrupt nor block each other (no locks).
-An unusable directory (read-only, not a directory, group/world-writable, foreign-owned) makes the
-cache fall back to memory, logged once.
+A reader checks every header field, then the HMAC, and only then unmarshals; any failure is a miss
+(logged at debug), never a crash. Writes go to a unique 0600 temp file in the entry's directory and
+``os.replace`` it, so ranks importing at once neither corrupt nor block each other (no locks); a
+``*.tmp`` older than 10 minutes (a killed writer's) is removed by the next write to its directory.
+
+Trust model: an entry is code that runs as you on import, so it is used only if no one but you
+(and root) could have written it. Every read and every write walks from ``root`` to the entry with
+``O_NOFOLLOW`` directory descriptors (POSIX only); each level must be a real directory (not a
+symlink), owned by your euid (in ``ro`` mode root-owned is accepted too) and not group/world-writable.
+The entry (and the key) is opened ``O_NOFOLLOW | O_NONBLOCK`` and ``fstat``-ed: a regular file of
+an accepted owner, not group/world-writable, at most 64 MiB, read with a bounded read (a FIFO or a
+symlink to ``/dev/zero`` cannot hang an import). ``<root>/key`` holds 32 random bytes, is made 0600
+by the first writer and must stay private (no group/other bits): a file written without it - by
+another user through a hole this model missed, or by another tool running as you - fails the HMAC
+and is a miss. Directories hp_lazy creates are 0700 whatever the umask.
+
+A location that fails these checks is never read again by this process: lowered code is kept in
+memory and one :class:`CacheTrustWarning` names the path, what is wrong and the fix
+(``HP_LAZY_STRICT=1``: :class:`CacheTrustError` instead). An unusable directory (read-only, not a
+directory) also makes the cache fall back to memory, logged once.
 
 ``HP_LAZY_CACHE=off|ro|rw`` (default ``rw``; ``HP_LAZY_DISABLE_CACHE=1`` = off). PYTHONDONTWRITEBYTECODE / ``-B`` is deliberately
 *not* obeyed: it governs CPython's ``__pycache__`` next to sources, while this cache lives in its
@@ -31,12 +48,15 @@ silently turn every import into a miss). Lowered bytecode is never written to ``
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import hmac
 import importlib.util
 import json
 import logging
 import marshal
 import os
+import secrets
 import shutil
 import socket
 import stat
@@ -44,21 +64,42 @@ import struct
 import sys
 import tempfile
 import time
+import warnings
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from types import CodeType
-from typing import Literal
+from typing import Callable, Iterator, Literal
+
+from hp_lazy.errors import HpLazyError
 
 logger = logging.getLogger("hp_lazy.hook")
 
 Mode = Literal["off", "ro", "rw"]
 _MODES: tuple[str, ...] = ("off", "ro", "rw")
 _MAGIC = b"HPLZ"
-_FORMAT = 1
+_FORMAT = 2
 _HEADER = struct.Struct("<4sHH4s32s32s32sI")
+_MAC = slice(76, 108)  # the HMAC field of _HEADER
 _SUFFIX = ".hplz"
 _LAYOUT = "v1"
+_KEY_NAME = "key"
+_KEY_BYTES = 32
+_MAX_ENTRY = 64 << 20
+_STALE_TMP_S = 600.0
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_NEW_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+_DIR_FIX = "set HP_LAZY_CACHE_DIR to a directory of your own"
+
+
+class CacheTrustError(HpLazyError, PermissionError):
+    """A cache directory, entry or key file could have been written by someone else."""
+
+
+class CacheTrustWarning(UserWarning):
+    """CacheTrustError's text when HP_LAZY_STRICT is unset: the cache is not used, code stays in memory."""
 
 
 def default_root() -> Path:
@@ -134,8 +175,9 @@ class Cache:
         self.root = Path(root).expanduser() if root is not None else default_root()
         self.mode: Mode = mode if mode is not None else mode_from_env()
         self._memory: dict[str, CodeType] = {}
-        self._disk_ok: bool | None = None  # None: not checked yet
-        self._logged = False
+        self._secret: bytes | None = None  # the contents of <root>/key, once read
+        self._writable = True  # False once a write failed (logged once)
+        self._distrust: CacheTrustError | None = None  # set: the disk is never used again
 
     # -- paths -------------------------------------------------------------------------------
     def path_for(self, key: str, module: str) -> Path:
@@ -151,48 +193,98 @@ class Cache:
             return None, None
         if key in self._memory:
             return self._memory[key], None
+        if self._distrust is not None:
+            return None, None
         path = self.path_for(key, module)
         try:
-            blob = path.read_bytes()
-        except OSError:
+            blob, secret = self._read(path)
+        except CacheTrustError as exc:
+            self._refuse(exc)
             return None, None
-        code, why = _decode(blob, key, source_sha256)
+        except OSError as exc:
+            if not isinstance(exc, FileNotFoundError):
+                logger.debug("hp_lazy: cache entry %s unreadable (%s); lowering again", path, exc)
+            return None, None
+        code, why = _decode(blob, key, source_sha256, secret)
         if code is None:
             logger.debug("hp_lazy: cache entry %s ignored (%s); lowering again", path, why)
             return None, None
         return code, path
+
+    def _read(self, path: Path) -> tuple[bytes, bytes]:
+        """(entry bytes, key) after every trust check; FileNotFoundError while there is no key."""
+        trust = _Trust.for_mode(self.mode)
+        with self._levels(path, trust, create=False) as (root_fd, dir_fd):
+            secret = self._key(root_fd, trust, create=False)
+            fix = f"remove it (rm {path}); the next run writes a fresh one"
+            return _read_file(path.name, dir_fd, path, trust, fix, limit=_MAX_ENTRY), secret
 
     # -- write -------------------------------------------------------------------------------
     def store(self, key: str, module: str, source_sha256: str, code: CodeType, origin: str) -> Path | None:
         """Write ``code`` atomically; returns the file, or None when kept in memory/not cached."""
         if self.mode == "off":
             return None
-        if self.mode == "ro" or not self._usable():
-            self._memory[key] = code
-            return None
         path = self.path_for(key, module)
-        blob = _encode(code, key, source_sha256, _meta(module, origin, key))
-        try:
-            _write_atomic(path, blob)
-        except OSError as exc:
-            self._fall_back(f"cannot write {path}: {exc}")
-            self._memory[key] = code
-            return None
-        return path
+        if self.mode == "rw" and self._writable and self._distrust is None:
+            meta = _meta(module, origin, key)
+            try:
+                self._write(path, lambda secret: _encode(code, key, source_sha256, meta, secret))
+                return path
+            except CacheTrustError as exc:
+                self._refuse(exc)
+            except OSError as exc:
+                self._fall_back(f"cannot write {path}: {exc}")
+        self._memory[key] = code
+        return None
 
-    def _usable(self) -> bool:
-        if self._disk_ok is None:
-            problem = _check_root(self.root)
-            self._disk_ok = problem is None
-            if problem is not None:
-                self._fall_back(problem)
-        return bool(self._disk_ok)
+    def _write(self, path: Path, encode: Callable[[bytes], bytes]) -> None:
+        trust = _Trust.for_mode(self.mode)
+        with self._levels(path, trust, create=True) as (root_fd, dir_fd):
+            blob = encode(self._key(root_fd, trust, create=True))
+            _sweep_stale(dir_fd, trust.euid)
+            _write_atomic(path, blob)
+
+    # -- trust -------------------------------------------------------------------------------
+    @contextmanager
+    def _levels(self, path: Path, trust: _Trust, create: bool) -> Iterator[tuple[int, int]]:
+        """(fd of root, fd of the entry's directory), every level checked on the way down."""
+        root_fd = _open_dir(str(self.root), None, self.root, trust, create)
+        try:
+            below = path.relative_to(self.root).parts[:-1]
+            dir_fd = _open_below(root_fd, self.root, below, trust, create)
+            try:
+                yield root_fd, dir_fd
+            finally:
+                os.close(dir_fd)
+        finally:
+            os.close(root_fd)
+
+    def _key(self, root_fd: int, trust: _Trust, create: bool) -> bytes:
+        """The secret in <root>/key, made first if ``create``; FileNotFoundError if there is none."""
+        if self._secret is None:
+            shown = self.root / _KEY_NAME
+            try:
+                self._secret = _read_key(root_fd, shown, trust)
+            except FileNotFoundError:
+                if not create:
+                    raise
+                _sweep_stale(root_fd, trust.euid)
+                _make_key(root_fd)
+                self._secret = _read_key(root_fd, shown, trust)
+        return self._secret
+
+    def _refuse(self, exc: CacheTrustError) -> None:
+        """HP_LAZY_STRICT=1: raise (every time). Else one warning, and off the disk for good."""
+        if os.environ.get("HP_LAZY_STRICT", "0").strip() not in ("", "0"):
+            raise exc
+        if self._distrust is None:
+            warnings.warn(str(exc), CacheTrustWarning, stacklevel=3)
+        self._distrust = exc
 
     def _fall_back(self, why: str) -> None:
-        if not self._logged:
+        if self._writable:
             logger.warning("hp_lazy: cache dir unusable (%s); keeping lowered code in memory only", why)
-            self._logged = True
-        self._disk_ok = False
+        self._writable = False
 
     # -- maintenance -------------------------------------------------------------------------
     def stats(self) -> CacheStats:
@@ -202,13 +294,13 @@ class Cache:
             for path in base.rglob("*"):
                 if path.name.endswith(_SUFFIX):
                     entries += 1
-                    size += path.stat().st_size
+                    size += path.lstat().st_size
                 elif path.name.endswith(".tmp"):
                     temps += 1
         return CacheStats(str(self.root), self.mode, entries, size, temps, len(self._memory))
 
     def clear(self) -> int:
-        """Remove every entry and temp file; returns how many files were removed."""
+        """Remove every entry and temp file (the key stays); returns how many files were removed."""
         self._memory.clear()
         base = self.root / _LAYOUT
         if not base.is_dir():
@@ -218,22 +310,181 @@ class Cache:
         return removed
 
 
-def _check_root(root: Path) -> str | None:
-    """None if ``root`` may hold code we execute later, else why not."""
+@dataclass(frozen=True)
+class _Trust:
+    """Who may have written what the cache reads: this euid, and root too in ``ro`` mode."""
+
+    euid: int
+    root_ok: bool
+
+    @classmethod
+    def for_mode(cls, mode: Mode) -> _Trust:
+        return cls(os.geteuid(), mode == "ro")
+
+    def owner(self, st: os.stat_result, shown: Path, fix: str) -> None:
+        if st.st_uid == self.euid or (self.root_ok and st.st_uid == 0):
+            return
+        you = f"you (uid {self.euid})" + (" or root" if self.root_ok and self.euid != 0 else "")
+        raise _refusal(shown, f"owned by uid {st.st_uid}, not {you}", fix)
+
+    def directory(self, st: os.stat_result, shown: Path) -> None:
+        self.owner(st, shown, _DIR_FIX)
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            mode = oct(stat.S_IMODE(st.st_mode))
+            raise _refusal(shown, f"mode {mode} is group/world-writable", f"chmod 700 {shown}, or {_DIR_FIX}")
+
+    def file(self, st: os.stat_result, shown: Path, fix: str, *, private: bool) -> None:
+        """A regular file of an accepted owner; ``private``: no group/other bits at all."""
+        if not stat.S_ISREG(st.st_mode):
+            raise _refusal(shown, f"is a {_kind(st.st_mode)}, not a regular file", fix)
+        self.owner(st, shown, fix)
+        banned, what = (0o077, "lets group/others at it") if private else (0o022, "is group/world-writable")
+        if st.st_mode & banned:
+            raise _refusal(shown, f"mode {oct(stat.S_IMODE(st.st_mode))} {what}", fix)
+
+
+def _refusal(shown: Path, problem: str, fix: str) -> CacheTrustError:
+    return CacheTrustError(
+        f"hp_lazy cache: {shown}: {problem}, so someone else could have written the code it holds; "
+        f"{fix}. Lowered code is kept in memory for this process"
+    )
+
+
+_KINDS = ((stat.S_ISFIFO, "FIFO"), (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"),
+          (stat.S_ISDIR, "directory"), (stat.S_ISSOCK, "socket"), (stat.S_ISLNK, "symlink"))
+
+
+def _kind(mode: int) -> str:
+    return next((name for test, name in _KINDS if test(mode)), "special file")
+
+
+def _open(name: str, flags: int, dir_fd: int | None, shown: Path, fix: str) -> int:
+    """``os.open`` that names a symlink as such (O_NOFOLLOW fails with ELOOP or ENOTDIR)."""
     try:
-        root.mkdir(mode=0o700, parents=True, exist_ok=True)
-        st = root.stat()
+        return os.open(name, flags, dir_fd=dir_fd)
     except OSError as exc:
-        return f"{root}: {exc}"
-    if not stat.S_ISDIR(st.st_mode):
-        return f"{root} is not a directory"
-    if hasattr(os, "getuid") and st.st_uid != os.getuid():
-        return f"{root} is owned by uid {st.st_uid}, not by this user; use a cache dir of your own"
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        return f"{root} is group- or world-writable; chmod 700 it or use another HP_LAZY_CACHE_DIR"
-    if not os.access(root, os.W_OK | os.X_OK):
-        return f"{root} is not writable"
-    return None
+        if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+            raise
+        if stat.S_ISLNK(os.lstat(name, dir_fd=dir_fd).st_mode):
+            raise _refusal(shown, "is a symlink", fix) from None
+        raise NotADirectoryError(exc.errno, "not a directory", str(shown)) from None
+
+
+def _open_dir(name: str, parent_fd: int | None, shown: Path, trust: _Trust, create: bool) -> int:
+    """A checked directory fd; ``create``: make it (and, for the root, its ancestors) 0700 first."""
+    made = False
+    try:
+        fd = _open(name, _DIR_FLAGS, parent_fd, shown, _DIR_FIX)
+    except FileNotFoundError:
+        if not create:
+            raise
+        if parent_fd is None:
+            _make_parents(shown)
+        made = _mkdir(name, parent_fd)
+        fd = _open(name, _DIR_FLAGS, parent_fd, shown, _DIR_FIX)
+    try:
+        if made:
+            os.fchmod(fd, 0o700)  # whatever the umask took away or left
+        trust.directory(os.fstat(fd), shown)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _open_below(top_fd: int, top: Path, parts: tuple[str, ...], trust: _Trust, create: bool) -> int:
+    """A new fd of ``top/parts...`` (at least one part), each level checked."""
+    fd, shown = top_fd, top
+    for part in parts:
+        shown = shown / part
+        try:
+            child = _open_dir(part, fd, shown, trust, create)
+        finally:
+            if fd != top_fd:
+                os.close(fd)
+        fd = child
+    return fd
+
+
+def _mkdir(name: str, parent_fd: int | None) -> bool:
+    """True if this call made the directory (mode fixed by the caller)."""
+    try:
+        os.mkdir(name, 0o700, dir_fd=parent_fd)
+    except FileExistsError:
+        return False
+    return True
+
+
+def _make_parents(path: Path) -> None:
+    """The missing ancestors of the cache root, each 0700 whatever the umask."""
+    for parent in reversed([p for p in path.parents if not p.exists()]):
+        if _mkdir(str(parent), None):
+            os.chmod(parent, 0o700)
+
+
+def _read_file(name: str, dir_fd: int, shown: Path, trust: _Trust, fix: str, *, limit: int,
+               private: bool = False) -> bytes:
+    """The bytes of a checked regular file, at most ``limit``; never follows a link, never blocks."""
+    fd = _open(name, _FILE_FLAGS, dir_fd, shown, fix)
+    try:
+        st = os.fstat(fd)
+        trust.file(st, shown, fix, private=private)
+        if st.st_size > limit:
+            raise OSError(errno.EFBIG, f"{st.st_size} bytes, over the {limit}-byte cap", str(shown))
+        return _read_bounded(fd, limit)
+    finally:
+        os.close(fd)
+
+
+def _read_bounded(fd: int, limit: int) -> bytes:
+    chunks: list[bytes] = []
+    total = 0
+    while total <= limit:
+        chunk = os.read(fd, min(limit + 1 - total, 1 << 20))
+        if not chunk:
+            return b"".join(chunks)
+        chunks.append(chunk)
+        total += len(chunk)
+    raise OSError(errno.EFBIG, f"grew past the {limit}-byte cap while being read")
+
+
+def _read_key(root_fd: int, shown: Path, trust: _Trust) -> bytes:
+    fix = f"remove it (rm {shown}); the next write makes a new key, and entries signed with the old one become misses"
+    secret = _read_file(_KEY_NAME, root_fd, shown, trust, fix, limit=4096, private=True)
+    if len(secret) != _KEY_BYTES:
+        raise _refusal(shown, f"holds {len(secret)} bytes, not {_KEY_BYTES}", fix)
+    return secret
+
+
+def _make_key(root_fd: int) -> None:
+    """Publish 32 random bytes as <root>/key, 0600; link(2) never replaces a concurrent writer's."""
+    tmp = f"{_KEY_NAME}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    fd = os.open(tmp, _NEW_FLAGS, 0o600, dir_fd=root_fd)
+    try:
+        try:
+            os.fchmod(fd, 0o600)
+            if os.write(fd, secrets.token_bytes(_KEY_BYTES)) != _KEY_BYTES:
+                raise OSError(errno.EIO, "short write of the cache key")
+        finally:
+            os.close(fd)
+        os.link(tmp, _KEY_NAME, src_dir_fd=root_fd, dst_dir_fd=root_fd)
+    except FileExistsError:
+        pass
+    finally:
+        os.unlink(tmp, dir_fd=root_fd)
+
+
+def _sweep_stale(dir_fd: int, euid: int) -> None:
+    """Remove our own ``*.tmp`` regular files older than 10 minutes (killed writers' leftovers)."""
+    cutoff = time.time() - _STALE_TMP_S
+    with os.scandir(dir_fd) as entries:
+        for entry in entries:
+            if not entry.name.endswith(".tmp"):
+                continue
+            with suppress(FileNotFoundError):
+                st = entry.stat(follow_symlinks=False)
+                if stat.S_ISREG(st.st_mode) and st.st_uid == euid and st.st_mtime < cutoff:
+                    os.unlink(entry.name, dir_fd=dir_fd)
 
 
 def _meta(module: str, origin: str, key: str) -> bytes:
@@ -251,7 +502,13 @@ def _meta(module: str, origin: str, key: str) -> bytes:
     return json.dumps(meta, sort_keys=True).encode()
 
 
-def _encode(code: CodeType, key: str, source_sha256: str, meta: bytes) -> bytes:
+def _mac(secret: bytes, blob: bytes) -> bytes:
+    """HMAC-SHA256 of the whole file with its HMAC field zeroed."""
+    unsigned = blob[: _MAC.start] + bytes(_MAC.stop - _MAC.start) + blob[_MAC.stop :]
+    return hmac.new(secret, unsigned, hashlib.sha256).digest()
+
+
+def _encode(code: CodeType, key: str, source_sha256: str, meta: bytes, secret: bytes) -> bytes:
     payload = marshal.dumps(code)
     header = _HEADER.pack(
         _MAGIC,
@@ -260,31 +517,30 @@ def _encode(code: CodeType, key: str, source_sha256: str, meta: bytes) -> bytes:
         importlib.util.MAGIC_NUMBER,
         bytes.fromhex(source_sha256),
         bytes.fromhex(key),
-        hashlib.sha256(payload).digest(),
+        bytes(32),
         len(meta),
     )
-    return header + meta + payload
+    blob = header + meta + payload
+    return blob[: _MAC.start] + _mac(secret, blob) + blob[_MAC.stop :]
 
 
-def _decode(blob: bytes, key: str, source_sha256: str) -> tuple[CodeType | None, str]:
+def _decode(blob: bytes, key: str, source_sha256: str, secret: bytes) -> tuple[CodeType | None, str]:
     if len(blob) < _HEADER.size:
         return None, "truncated header"
-    magic, fmt, _flags, py_magic, src, key_digest, digest, meta_len = _HEADER.unpack_from(blob)
+    magic, fmt, _flags, py_magic, src, key_digest, mac, meta_len = _HEADER.unpack_from(blob)
     checks = (
         (magic == _MAGIC, "not an hp_lazy cache file"),
         (fmt == _FORMAT, f"format {fmt}"),
         (py_magic == importlib.util.MAGIC_NUMBER, "another Python's bytecode"),
         (src.hex() == source_sha256, "source hash differs"),
         (key_digest.hex() == key, "key differs"),
+        (hmac.compare_digest(_mac(secret, blob), mac), "HMAC mismatch: not written with this cache's key"),
     )
     for ok, why in checks:
         if not ok:
             return None, why
-    payload = blob[_HEADER.size + meta_len :]
-    if hashlib.sha256(payload).digest() != digest:
-        return None, "payload checksum mismatch"
     try:
-        code = marshal.loads(payload)
+        code = marshal.loads(blob[_HEADER.size + meta_len :])
     except Exception as exc:  # marshal raises several types on bad input
         return None, f"unmarshal failed: {exc!r}"
     if not isinstance(code, CodeType):
@@ -293,9 +549,15 @@ def _decode(blob: bytes, key: str, source_sha256: str) -> tuple[CodeType | None,
 
 
 def read_meta(path: Path) -> dict[str, object] | None:
-    """The meta JSON of one cache file (no unmarshalling), or None if unreadable."""
+    """The meta JSON of one cache file (no unmarshalling, no trust check), or None if unreadable."""
     try:
-        blob = path.read_bytes()
+        fd = os.open(path, _FILE_FLAGS)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return None
+            blob = _read_bounded(fd, _MAX_ENTRY)
+        finally:
+            os.close(fd)
         meta_len = _HEADER.unpack_from(blob)[-1]
         return json.loads(blob[_HEADER.size : _HEADER.size + meta_len])
     except (OSError, struct.error, ValueError):
@@ -303,10 +565,11 @@ def read_meta(path: Path) -> dict[str, object] | None:
 
 
 def _write_atomic(path: Path, blob: bytes) -> None:
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    """A 0600 temp file in the (checked) entry directory, then ``os.replace``."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as handle:
+            os.fchmod(handle.fileno(), 0o600)
             handle.write(blob)
         os.replace(tmp, path)
     except BaseException:
