@@ -1,4 +1,4 @@
-"""The transition -> op table and the form classifier."""
+"""The transition -> op table (hp_lazy.plan.transitions) and the form classifier."""
 
 from __future__ import annotations
 
@@ -7,10 +7,11 @@ import ast
 import pytest
 
 from hp_lazy.errors import PlanError
-from hp_lazy.lower.classify import Op, classify, transition_op
+from hp_lazy.lower.classify import classify
 from hp_lazy.lower.facts import forward_facts
 from hp_lazy.plan.model import Contract
 from hp_lazy.plan.placement import Placement
+from hp_lazy.plan.transitions import Op, output_index, transition_op
 
 P = Placement.parse
 
@@ -148,6 +149,12 @@ def test_bad_output_key() -> None:
     spec = dict(ATTN, out_src={"logits": {"tp": "P(sum)"}}, out_dst={})
     with pytest.raises(PlanError, match=r"output key 'logits' is not 'output' or 'output.<i>'"):
         classify(contract(**spec), facts(TUPLE_FWD), {"tp": 2})
+
+
+def test_output_index() -> None:
+    assert (output_index("output"), output_index("output.0"), output_index("output.12")) == (0, 0, 12)
+    with pytest.raises(PlanError, match=r"^attn: output key 'output.x' is not 'output' or 'output.<i>'; use 'output'"):
+        output_index("output.x", where="attn")
 
 
 def test_axis_order_entry_outer_first_exit_inner_first() -> None:

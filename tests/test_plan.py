@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from hp_lazy.errors import PlanError
-from hp_lazy.plan import Placement, Plan
+from hp_lazy.plan import Plan, Shard
 
 ATTN = "model.layers.*.self_attn"
 
@@ -50,7 +50,7 @@ def error_text(data: dict) -> str:
 def test_from_dict_builds_contracts_with_parsed_placements() -> None:
     plan = Plan.from_dict(llama_plan())
     attn = next(c for c in plan.boundaries if c.pattern == ATTN)
-    assert attn.placement("params", "o_proj.weight", "tp") == Placement("S", dim=1)
+    assert attn.placement("params", "o_proj.weight", "tp") == Shard(1)
     assert attn.placement("out_src", "output", "tp").is_partial
     assert attn.placement("params", "k_proj.weight", "tp").is_replicate  # absent -> R
     assert attn.deferred_bias_params == ("o_proj.bias",)

@@ -1,4 +1,4 @@
-"""Which form a boundary takes, and which op each transition lowers to.
+"""Which form a boundary takes, and which op each of its transitions lowers to.
 
 One pure classifier, :func:`classify`, shared by the emitter, the runtime binder and
 ``hp_lazy check``. Forms (DESIGN.md section 3):
@@ -11,12 +11,12 @@ One pure classifier, :func:`classify`, shared by the emitter, the runtime binder
 
 Structural gates of the inline forms: no ``*args``; every ``return`` has a value; every input
 with an op is a named forward parameter; every output op targets output 0 or a tuple position
-that every ``return`` has.
+that every ``return`` has. The op of each transition comes from
+:func:`hp_lazy.plan.transitions.transition_op`.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Literal, Mapping
 
@@ -24,20 +24,9 @@ from hp_lazy.errors import PlanError
 from hp_lazy.lower.facts import ForwardFacts
 from hp_lazy.plan.model import Contract
 from hp_lazy.plan.placement import AXES, Placement
+from hp_lazy.plan.transitions import Op, output_index, transition_op
 
 Form = Literal["identity", "tp_collective", "generic", "region", "toggle"]
-_OUTPUT_KEY = re.compile(r"^output(?:\.(\d+))?$")
-
-
-@dataclass(frozen=True, slots=True)
-class Op:
-    """A runtime collective: ``__hp_rt__.<call>(x, group, *dims)``."""
-
-    call: str
-    dims: tuple[int, ...] = ()
-
-    def __str__(self) -> str:
-        return f"{self.call}({', '.join(map(str, self.dims))})" if self.dims else self.call
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,57 +55,6 @@ class FormDecision:
     out_ops: tuple[BoundOp, ...]
 
 
-def transition_op(src: Placement, dst: Placement, *, entering_sharded: bool, where: str = "transition") -> Op | None:
-    """The op that takes a tensor from ``src`` to ``dst`` on one axis (docs/contract.md tables);
-    ``None`` when nothing is to be done. ``entering_sharded``: this is a boundary entry and the
-    boundary has a parameter sharded on the axis (its backward yields a partial gradient)."""
-    for p in (src, dst):
-        if p.kind == "SS":
-            raise PlanError(f"{where}: packed shard {p} is for parameters only; use 'S(d)' for activations")
-    if not entering_sharded:
-        op = _exit_op(src, dst)
-    elif src.is_partial or dst.is_partial:
-        op = _UNSUPPORTED  # the backward would hand a partial gradient to a reduction's identity
-    else:
-        op = _entry_op(src, dst)
-    if op is _UNSUPPORTED:
-        into = " into sharded params" if entering_sharded else ""
-        raise PlanError(
-            f"{where}: {src} -> {dst}{into} has no collective; supported: R->R, S(d)->R, R->S(d), "
-            "S(a)->S(b), P(sum)->R, P(sum)->S(d) (P(sum) inputs only into a boundary with no param sharded on the axis)"
-        )
-    return op
-
-
-_UNSUPPORTED = Op("<unsupported>")
-
-
-def _entry_op(src: Placement, dst: Placement) -> Op | None:
-    if src.is_replicate and dst.is_replicate:
-        return Op("copy_to")
-    if src.is_shard and dst.is_replicate:
-        return Op("gather_to", (src.dim,))  # type: ignore[arg-type]
-    if src.is_replicate:
-        return Op("scatter_to", (dst.dim,))  # type: ignore[arg-type]
-    return None if src.dim == dst.dim else Op("all_to_all", (src.dim, dst.dim))  # type: ignore[arg-type]
-
-
-def _exit_op(src: Placement, dst: Placement) -> Op | None:
-    if src == dst:
-        return None
-    if src.is_partial and dst.is_replicate:
-        return Op("reduce_from")
-    if src.is_partial and dst.is_shard:
-        return Op("reduce_scatter_to", (dst.dim,))  # type: ignore[arg-type]
-    if src.is_shard and dst.is_replicate:
-        return Op("gather_from", (src.dim,))  # type: ignore[arg-type]
-    if src.is_replicate and dst.is_shard:
-        return Op("scatter_to", (dst.dim,))  # type: ignore[arg-type]
-    if src.is_shard and dst.is_shard:
-        return Op("all_to_all", (src.dim, dst.dim))  # type: ignore[arg-type]
-    return _UNSUPPORTED
-
-
 def active_axes(mesh: Mapping[str, int]) -> tuple[str, ...]:
     """Axes in mesh order whose degree is not 1 (an absent degree is decided at run time)."""
     return tuple(a for a in AXES if mesh.get(a, 0) != 1)
@@ -124,14 +62,6 @@ def active_axes(mesh: Mapping[str, int]) -> tuple[str, ...]:
 
 def sharded_axes(contract: Contract) -> frozenset[str]:
     return frozenset(a for spec in contract.params.values() for a, p in spec.items() if p.is_shard)
-
-
-def output_position(pattern: str, key: str) -> int:
-    """``"output"`` -> 0, ``"output.<i>"`` -> ``i``."""
-    m = _OUTPUT_KEY.match(key)
-    if m is None:
-        raise PlanError(f"{pattern}: output key {key!r} is not 'output' or 'output.<i>'; rename it (e.g. 'output.1')")
-    return int(m.group(1) or 0)
 
 
 def _in_ops(contract: Contract, facts: ForwardFacts, axes: tuple[str, ...]) -> tuple[BoundOp, ...]:
@@ -150,11 +80,11 @@ def _in_ops(contract: Contract, facts: ForwardFacts, axes: tuple[str, ...]) -> t
 
 
 def _out_ops(contract: Contract, axes: tuple[str, ...]) -> tuple[BoundOp, ...]:
-    keys = sorted({*contract.out_src, *contract.out_dst}, key=lambda k: (output_position(contract.pattern, k), k))
+    keys = sorted({*contract.out_src, *contract.out_dst}, key=lambda k: (output_index(k, where=contract.pattern), k))
     seen: dict[int, str] = {}
     ops = []
     for key in keys:
-        pos = output_position(contract.pattern, key)
+        pos = output_index(key, where=contract.pattern)
         if pos in seen:
             raise PlanError(f"{contract.pattern}: outputs {seen[pos]!r} and {key!r} both name position {pos}; keep one")
         seen[pos] = key

@@ -16,7 +16,8 @@ from typing import Any
 
 from hp_lazy.errors import PlanError
 from hp_lazy.plan.model import Contract, Plan
-from hp_lazy.plan.placement import AXES, Placement
+from hp_lazy.plan.placement import AXES, Placement, Shard
+from hp_lazy.plan.transitions import output_index
 
 TOP_KEYS = ("version", "mesh", "modules", "boundaries", "boundary_classes", "injections", "auto")
 PLACEMENT_SIDES = ("in_src", "in_dst", "out_src", "out_dst", "params")
@@ -24,7 +25,6 @@ CONTRACT_KEYS = (*PLACEMENT_SIDES, "deferred_bias_params", "grad_sum_params", "s
 INJECTION_KEYS = ("match", "inner_wrapper", "inner_target", "inner_out_src", "local_compute_fn", "ep_stack", "ep_size")
 AUTO_KEYS = ("tp", "sequence_parallel", "loss_parallel", "vocab_parallel_embedding")
 RESERVED_PREFIXES = ("_hp_", "__hp_")
-_OUTPUT_KEY = re.compile(r"^output(\.\d+)?$")
 _PATTERN_SEGMENT = re.compile(r"^[\w*?\[\]!-]+$")
 
 
@@ -93,11 +93,8 @@ def _parse_side(where: str, side: str, data: object, mesh: Mapping[str, int]) ->
     out: dict[str, dict[str, Placement]] = {}
     for name, axes in data.items():
         check_name(f"{where}.{side}", name, "param" if side == "params" else "name")
-        if side.startswith("out") and not _OUTPUT_KEY.match(name):
-            raise PlanError(
-                f"{where}.{side}: output key {name!r} is not 'output' or 'output.<i>'; "
-                "use 'output' for the return value (or tuple position 0), 'output.1' for position 1"
-            )
+        if side.startswith("out"):
+            output_index(name, where=f"{where}.{side}")
         if side.startswith("in") and not name.isidentifier():
             raise PlanError(f"{where}.{side}: input key {name!r} is not a forward parameter name; fix the plan")
         out[name] = _parse_axes(f"{where}.{side}[{name!r}]", axes, mesh)
@@ -118,7 +115,7 @@ def _check_deferred_biases(where: str, contract: Contract) -> None:
                 "list only the biases of rowwise Linears, e.g. 'o_proj.bias'"
             )
         weight = bias[: -len("bias")] + "weight"
-        dims = {p.dim for p in contract.params.get(weight, {}).values() if p.kind == "S"}
+        dims = {p.dim for p in contract.params.get(weight, {}).values() if type(p) is Shard}
         if not dims & {1, -1}:
             raise PlanError(
                 f"{where}.deferred_bias_params: {bias!r} needs its sibling {weight!r} sharded rowwise "
