@@ -89,8 +89,7 @@ def test_tp_collective_with_ops() -> None:
     assert d.in_ops[0].describe() == "hidden_states: tp R -> R into sharded params ==> copy_to"
 
 
-def test_toggle_and_degree_one_axis() -> None:
-    assert classify(contract(**ATTN), facts(TUPLE_FWD), {"tp": 2}, toggle=True).form == "toggle"
+def test_degree_one_axis() -> None:
     d = classify(contract(**ATTN), facts(TUPLE_FWD), {"tp": 1})
     assert (d.form, d.in_ops, d.out_ops) == ("identity", (), ())
 

@@ -45,7 +45,6 @@ def module_plan(raw: dict) -> ModulePlan:
         classes=raw["classes"],
         roots=tuple(raw.get("roots", ())),
         injections=tuple(raw.get("injections", ())),
-        toggle=raw.get("toggle", False),
     )
 
 
@@ -91,4 +90,4 @@ def test_lowered_compiles_and_keeps_line_numbers(case: str) -> None:
 
 
 def test_golden_cases_exist() -> None:
-    assert {"attention", "generic", "inherited", "kwonly", "toggle"} <= set(CASES)
+    assert {"attention", "generic", "inherited", "kwonly", "two_axes"} <= set(CASES)

@@ -5,7 +5,6 @@ One pure classifier, :func:`classify`, shared by the emitter, the runtime binder
 
 - ``identity``: no transition changes a placement, no deferred bias, no injection: not rewritten;
 - ``tp_collective``: every op is written inline; needs the structural gates below;
-- ``toggle``: ``tp_collective`` with every op guarded per axis (``ModulePlan.toggle``);
 - ``generic``: the runtime applies the same ops by name and position;
 - ``region``: an injection's ``local_compute_fn`` replaces the body.
 
@@ -26,7 +25,7 @@ from hp_lazy.plan.model import Contract
 from hp_lazy.plan.placement import AXES, Placement
 from hp_lazy.plan.transitions import Op, output_index, transition_op
 
-Form = Literal["identity", "tp_collective", "generic", "region", "toggle"]
+Form = Literal["identity", "tp_collective", "generic", "region"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,7 +134,6 @@ def classify(
     mesh: Mapping[str, int],
     *,
     injection: Mapping[str, object] | None = None,
-    toggle: bool = False,
 ) -> FormDecision:
     """Decide the form of one boundary whose forward is described by ``facts``."""
     axes = active_axes(mesh)
@@ -158,5 +156,4 @@ def classify(
     fails = _gate_failures(facts, in_ops, out_ops)
     if fails:
         return FormDecision("generic", tuple(fails), in_ops, out_ops)
-    form: Form = "toggle" if toggle else "tp_collective"
-    return FormDecision(form, ("every transition lowers to a known op and the structural gates pass",), in_ops, out_ops)
+    return FormDecision("tp_collective", ("every transition lowers to a known op and the structural gates pass",), in_ops, out_ops)

@@ -47,10 +47,6 @@ def relocate(nodes: list[ast.stmt], ref: ast.AST) -> list[ast.stmt]:
     return nodes
 
 
-def _indent(lines: list[str]) -> list[str]:
-    return ["    " + line for line in lines]
-
-
 def call_args(facts: ForwardFacts) -> str:
     """Re-pass every parameter: positionally where it must or has no default, by name otherwise."""
     pos, kw = [], []
@@ -71,15 +67,10 @@ def _op_call(expr: str, op: BoundOp) -> str:
     return f"{RT}.{op.op.call}({expr}, _hp_b.{op.axis}{dims})"
 
 
-def _guarded(op: BoundOp, lines: list[str], toggle: bool) -> list[str]:
-    return [f"if _hp_b.{op.axis}_enable:", *_indent(lines)] if toggle else lines
-
-
-def static_entry(decision: FormDecision, toggle: bool) -> list[str]:
+def static_entry(decision: FormDecision) -> list[str]:
     lines: list[str] = []
     for op in decision.in_ops:
-        lines.append(repr(op.describe()))
-        lines += _guarded(op, [f"{op.name} = {_op_call(op.name, op)}"], toggle)
+        lines += [repr(op.describe()), f"{op.name} = {_op_call(op.name, op)}"]
     return lines
 
 
@@ -96,12 +87,10 @@ def _base(pos: int, layout: str) -> str:
     return "_hp_out" if layout == "single" else f"_hp_out[{pos}]"
 
 
-def static_exit(spec: ForwardSpec, toggle: bool) -> list[str]:
+def static_exit(spec: ForwardSpec) -> list[str]:
     layout = spec.facts.output_layout()[0]
     ops = spec.decision.out_ops
     notes = _exit_notes(spec)
-    if toggle:
-        return _toggle_exit(spec, layout, notes)
     exprs: dict[int, str] = {}
     for op in ops:
         exprs[op.position] = _op_call(exprs.get(op.position, _base(op.position, layout)), op)  # type: ignore[index]
@@ -120,17 +109,6 @@ def _exit_notes(spec: ForwardSpec) -> list[str]:
         else:
             notes.append("output: deferred biases")
     return notes
-
-
-def _toggle_exit(spec: ForwardSpec, layout: str, notes: list[str]) -> list[str]:
-    lines: list[str] = []
-    for op, note in zip(spec.decision.out_ops, notes):
-        expr = _rebuild({op.position: _op_call(_base(op.position, layout), op)}, layout)  # type: ignore[dict-item]
-        lines += [repr(note), *_guarded(op, [f"_hp_out = {expr}"], True)]
-    if spec.deferred_bias:
-        lines += map(repr, notes[len(spec.decision.out_ops) :])
-        lines.append(f"_hp_out = {_rebuild({0: f'{RT}.add_deferred_bias({_base(0, layout)}, _hp_b)'}, layout)}")
-    return lines
 
 
 def generic_entry(spec: ForwardSpec) -> list[str]:
@@ -168,11 +146,11 @@ def forward_body(spec: ForwardSpec) -> list[str]:
     generic = form == "generic"
     if generic:
         lines.append(repr(f"generic form: {'; '.join(spec.decision.reasons)}"))
-    lines += generic_entry(spec) if generic else static_entry(spec.decision, form == "toggle")
+    lines += generic_entry(spec) if generic else static_entry(spec.decision)
     if not spec.decision.out_ops and not spec.deferred_bias:
         return [*lines, f"return {impl_call(facts)}"]
     lines.append(f"_hp_out = {impl_call(facts)}")
-    lines += generic_exit(spec) if generic else static_exit(spec, form == "toggle")
+    lines += generic_exit(spec) if generic else static_exit(spec)
     return [*lines, "return _hp_out"]
 
 

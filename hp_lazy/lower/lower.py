@@ -156,7 +156,7 @@ def _targets(
 
 def _decide(contract: Contract, facts: ForwardFacts, plan: ModulePlan) -> FormDecision:
     injection = injection_for(plan, contract.pattern)
-    return classify(contract, facts, plan.mesh, injection=injection, toggle=plan.toggle)
+    return classify(contract, facts, plan.mesh, injection=injection)
 
 
 def _forward_source(tree: ast.Module, cls: ClassFacts, module: str, originals: dict[str, _FnDef]) -> _Source:

@@ -169,7 +169,6 @@ class ModulePlan:
     roots: tuple[str, ...]
     """Classes of this module whose ``forward`` first binds the model (shards it) if needed."""
     injections: tuple[Mapping[str, object], ...] = ()
-    toggle: bool = False
     hash: str = ""
 
     def contract(self, pattern: str) -> Contract:
@@ -188,5 +187,4 @@ class ModulePlan:
             "classes": dict(self.classes),
             "roots": list(self.roots),
             "injections": [dict(rule) for rule in self.injections],
-            "toggle": self.toggle,
         }
