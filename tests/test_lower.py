@@ -8,6 +8,7 @@ import sys
 import textwrap
 import traceback
 import types
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ import pytest
 from hp_lazy.errors import LoweringError, PlanError
 from hp_lazy.lower import lower, lower_source
 from hp_lazy.lower.facts import forward_facts, module_facts
-from hp_lazy.plan.model import Contract, ModulePlan
+from hp_lazy.plan.model import Contract, InnerOp, ModulePlan, Region
 from hp_lazy.plan.placement import Placement
 
 P = Placement.parse
@@ -145,10 +146,10 @@ def test_boundary_decisions_match_what_lower_emits() -> None:
     assert {p: (c, d.form) for p, (c, d) in got.items()} == {"b": ("Block", "tp_collective"), "s": ("Sub", "generic")}
 
 
-def test_conflicting_injections_are_an_error() -> None:
-    injections = ({"match": "b", "local_compute_fn": "f"}, {"match": "*", "local_compute_fn": "g"})
-    with pytest.raises(PlanError, match=r"b: two injections set 'local_compute_fn' differently \('f' vs 'g'\)"):
-        lower(SIMPLE, plan({"b": "Block"}, (attn_contract("b"),), injections=injections))
+def test_unimplemented_inner_op_is_refused_not_ignored() -> None:
+    contract = attn_contract("b", inner=InnerOp(call="attention", kind="cp_ulysses"))
+    with pytest.raises(PlanError, match=r"^b\.inner: kind 'cp_ulysses' \(context parallel\) is not implemented yet"):
+        lower(SIMPLE, plan({"b": "Block"}, (contract,)))
 
 
 def test_nothing_to_do_returns_the_source_tree() -> None:
@@ -288,7 +289,7 @@ def test_real_modeling_sources_lower_and_compile(family: str, prefix: str) -> No
     assert "@deprecate_kwarg('past_key_values', '5.40.0', new_name='cache')\n    def forward" in text
 
 
-def test_region_in_qwen3_moe_keeps_strings_transformers_greps_for() -> None:
+def test_qwen3_moe_keeps_strings_transformers_greps_for_and_refuses_a_region() -> None:
     name, source = _transformers_source("qwen3_moe")
     moe = Contract(pattern="model.layers.*.mlp", in_src={"hidden_states": {"ep": R}}, params={"experts.down_proj": {"ep": S0}})
     module_plan = ModulePlan(
@@ -298,13 +299,15 @@ def test_region_in_qwen3_moe_keeps_strings_transformers_greps_for() -> None:
         contracts=(moe,),
         classes={"model.layers.*.mlp": "Qwen3MoeSparseMoeBlock"},
         roots=(),
-        injections=({"match": "model.layers.*.mlp", "local_compute_fn": "ep_dispatch"},),
     )
     tree = lower(source, module_plan, filename="qwen3_moe.py")
     compile(tree, "qwen3_moe.py", "exec")
     text = ast.unparse(tree)
     assert "@use_experts_implementation\nclass Qwen3MoeExperts" in text
-    assert "return __hp_rt__.region(self, _hp_b, hidden_states)" in text
+    assert "hidden_states = __hp_rt__.copy_to(hidden_states, _hp_b.ep)" in text
+    region = Contract(pattern=moe.pattern, in_src=moe.in_src, params=moe.params, region=Region(kind="ep_dispatch"))
+    with pytest.raises(PlanError, match=r"model.layers.\*.mlp.region: kind 'ep_dispatch' \(expert parallel\) is not implemented"):
+        lower(source, replace(module_plan, contracts=(region,)), filename="qwen3_moe.py")
 
 
 # ---------------------------------------------------------------- import hygiene and lower_source

@@ -9,7 +9,7 @@ import pytest
 from hp_lazy.errors import PlanError
 from hp_lazy.lower.classify import classify
 from hp_lazy.lower.facts import forward_facts
-from hp_lazy.plan.model import Contract
+from hp_lazy.plan.model import Contract, InnerOp, Region
 from hp_lazy.plan.placement import Placement
 from hp_lazy.plan.transitions import Op, output_index, transition_op
 
@@ -126,10 +126,18 @@ def test_tuple_position_must_be_in_every_return() -> None:
     assert d.form == "tp_collective" and d.out_ops[0].position == 2
 
 
-def test_injections_pick_region_and_generic() -> None:
-    c, f = contract(**ATTN), facts(TUPLE_FWD)
-    assert classify(c, f, {"tp": 2}, injection={"local_compute_fn": "ep"}).form == "region"
-    assert classify(c, f, {"tp": 2}, injection={"inner_wrapper": "cp_allgather_kv"}).form == "generic"
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        ({"inner": InnerOp(call="attention", kind="cp_allgather_kv")},
+         r"layers\.\*\.attn\.inner: kind 'cp_allgather_kv' \(context parallel\) is not implemented yet"),
+        ({"region": Region(kind="ep_dispatch")},
+         r"layers\.\*\.attn\.region: kind 'ep_dispatch' \(expert parallel\) is not implemented yet"),
+    ],
+)
+def test_unimplemented_inner_ops_and_regions_are_never_lowered_silently(extra: dict, expected: str) -> None:
+    with pytest.raises(PlanError, match=expected):
+        classify(contract(**ATTN, extra=extra), facts(TUPLE_FWD), {"tp": 2})
 
 
 def test_unknown_input_name_is_a_plan_error() -> None:

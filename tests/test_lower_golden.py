@@ -44,7 +44,6 @@ def module_plan(raw: dict) -> ModulePlan:
         contracts=tuple(_contract(c) for c in raw["contracts"]),
         classes=raw["classes"],
         roots=tuple(raw.get("roots", ())),
-        injections=tuple(raw.get("injections", ())),
     )
 
 

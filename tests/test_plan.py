@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from hp_lazy.errors import PlanError
-from hp_lazy.plan import Plan, Shard
+from hp_lazy.plan import InnerOp, Plan, Region, Shard
+from hp_lazy.plan import model as plan_model
 
 ATTN = "model.layers.*.self_attn"
 
@@ -37,7 +38,6 @@ def llama_plan() -> dict:
             },
         },
         "boundary_classes": {ATTN: "LlamaAttention"},
-        "injections": [{"match": ATTN, "inner_wrapper": "cp_allgather_kv"}],
     }
 
 
@@ -56,7 +56,7 @@ def test_from_dict_builds_contracts_with_parsed_placements() -> None:
     assert attn.deferred_bias_params == ("o_proj.bias",)
     assert plan.mesh == {"tp": 2} and plan.auto is None
     assert plan.boundary_classes == {ATTN: "LlamaAttention"}
-    assert plan.injections == ({"match": ATTN, "inner_wrapper": "cp_allgather_kv"},)
+    assert attn.inner is None and attn.region is None
 
 
 def test_round_trip_normalises_placement_text() -> None:
@@ -120,7 +120,6 @@ def test_auto_plan_fields_and_round_trip() -> None:
         (lambda d: d.update(extra=1), "plan: unknown key 'extra'; allowed keys are ['version', 'mesh'"),
         (lambda d: d.update(version=2), "plan.version: 2 is not a supported version; use 1"),
         (lambda d: d["boundaries"][ATTN].update(inputs={}), f"plan.boundaries['{ATTN}']: unknown key 'inputs'"),
-        (lambda d: d["injections"][0].update(wrapper="x"), "plan.injections[0]: unknown key 'wrapper'"),
         (lambda d: d.update(mesh={"xp": 2}), "plan.mesh: axis 'xp' is not one of ['dp', 'cp', 'ep', 'tp']; rename it"),
         (lambda d: d.update(mesh={"tp": 0}), "plan.mesh['tp']: degree 0 is not a positive integer; use e.g. 2"),
         (lambda d: d.update(mesh={"tp": True}), "plan.mesh['tp']: degree True is not a positive integer"),
@@ -172,10 +171,6 @@ def test_auto_plan_fields_and_round_trip() -> None:
             lambda d: d["boundary_classes"].update({"model.norm": "LlamaRMSNorm"}),
             "plan.boundary_classes['model.norm']: the pattern has no entry in plan.boundaries",
         ),
-        (
-            lambda d: d.update(injections=[{"inner_wrapper": "x"}]),
-            "plan.injections[0]: {'inner_wrapper': 'x'} has no 'match'",
-        ),
         (lambda d: d.update(boundaries={}), "plan.boundaries: the plan has no boundary"),
         (lambda d: d["boundaries"].update({"model..x": {}}), "pattern 'model..x' has an empty or invalid segment ''"),
         (lambda d: d.update(auto={"tp": 2, "sp": True}), "plan.auto: unknown key 'sp'"),
@@ -210,3 +205,93 @@ def test_plan_package_does_not_import_distributed_or_transformers() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+
+# ---------------------------------------------------------------- inner ops and regions
+
+
+def with_inner(**body: object) -> dict:
+    data = llama_plan()
+    data["boundaries"][ATTN].update(body)
+    return data
+
+
+def test_injections_key_was_replaced_by_typed_fields() -> None:
+    data = llama_plan()
+    data["injections"] = [{"match": ATTN, "inner_wrapper": "cp_allgather_kv"}]
+    text = error_text(data)
+    assert text.startswith("plan.injections: [{'match': 'model.layers.*.self_attn', 'inner_wrapper'")
+    assert "the untyped injections list was replaced by typed fields of a boundary's body" in text
+    assert '"inner": {"call": "attention", "kind": "cp_allgather_kv"} (context parallel)' in text
+    assert '"region": {"kind": "ep_dispatch"} (expert parallel); remove the key' in text
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        ({"inner": "cp"}, f"plan.boundaries['{ATTN}'].inner: 'cp' is not an object; write a JSON object with "
+                          "keys from ['call', 'kind']"),
+        ({"inner": {"call": "attention", "kind": "cp_allgather_kv", "wrapper": "x"}},
+         f"plan.boundaries['{ATTN}'].inner: unknown key 'wrapper'; allowed keys are ['call', 'kind']"),
+        ({"inner": {"kind": "cp_ulysses"}},
+         f"plan.boundaries['{ATTN}'].inner: {{'kind': 'cp_ulysses'}} has no ['call']; write e.g. "
+         '{"call": "attention", "kind": "cp_allgather_kv"}'),
+        ({"inner": {"call": "mlp", "kind": "cp_ulysses"}},
+         f"plan.boundaries['{ATTN}'].inner.call: call 'mlp' is not one of ['attention']; use one of those"),
+        ({"inner": {"call": "attention", "kind": "ring"}},
+         f"plan.boundaries['{ATTN}'].inner.kind: kind 'ring' is not one of ['cp_allgather_kv', 'cp_ulysses']"),
+        ({"region": {"kind": "moe"}},
+         f"plan.boundaries['{ATTN}'].region.kind: kind 'moe' is not one of ['ep_dispatch']; use one of those"),
+        ({"region": {}}, f"plan.boundaries['{ATTN}'].region: {{}} has no ['kind']; write e.g. {{\"kind\": \"ep_dispatch\"}}"),
+    ],
+)
+def test_inner_and_region_are_validated_strictly(body: dict, expected: str) -> None:
+    assert expected in error_text(with_inner(**body))
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        ({"inner": {"call": "attention", "kind": "cp_allgather_kv"}}, "inner: kind 'cp_allgather_kv' (context parallel)"),
+        ({"inner": {"call": "attention", "kind": "cp_ulysses"}}, "inner: kind 'cp_ulysses' (context parallel)"),
+        ({"region": {"kind": "ep_dispatch"}}, "region: kind 'ep_dispatch' (expert parallel)"),
+    ],
+)
+def test_unimplemented_inner_ops_and_regions_are_refused(body: dict, expected: str) -> None:
+    import hp_lazy
+
+    text = error_text(with_inner(**body))
+    assert text == f"plan.boundaries['{ATTN}'].{expected} is not implemented yet in hp_lazy {hp_lazy.__version__}; remove the key"
+
+
+def test_implemented_kinds_are_one_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(plan_model, "IMPLEMENTED", frozenset({"cp_allgather_kv", "ep_dispatch"}))
+    data = with_inner(inner={"call": "attention", "kind": "cp_allgather_kv"}, region={"kind": "ep_dispatch"})
+    plan = Plan.from_dict(data)
+    attn = next(c for c in plan.boundaries if c.pattern == ATTN)
+    assert attn.inner == InnerOp(call="attention", kind="cp_allgather_kv")
+    assert attn.region == Region(kind="ep_dispatch")
+    assert plan.to_dict()["boundaries"][ATTN]["inner"] == {"call": "attention", "kind": "cp_allgather_kv"}
+    assert Plan.from_dict(plan.to_dict()) == plan
+
+
+def test_inner_op_and_region_values_are_checked_on_construction() -> None:
+    with pytest.raises(PlanError, match=r"InnerOp: kind 'ring' is not one of \['cp_allgather_kv', 'cp_ulysses'\]"):
+        InnerOp(call="attention", kind="ring")  # type: ignore[arg-type]
+    with pytest.raises(PlanError, match=r"Region: kind 'moe' is not one of \['ep_dispatch'\]"):
+        Region(kind="moe")  # type: ignore[arg-type]
+
+
+def test_multi_axis_parameter_placement_is_accepted() -> None:
+    data = {
+        "mesh": {"ep": 2, "tp": 2},
+        "modules": ["m"],
+        "boundaries": {"layers.*.mlp": {"params": {"experts.gate_up_proj": {"ep": "S(0)", "tp": "SS(-1,2)"}}}},
+    }
+    contract = Plan.from_dict(data).boundaries[0]
+    assert contract.placement("params", "experts.gate_up_proj", "ep") == Shard(0)
+    assert str(contract.placement("params", "experts.gate_up_proj", "tp")) == "SS(-1,2)"
+    assert Plan.from_dict(data).to_dict()["boundaries"]["layers.*.mlp"]["params"] == {
+        "experts.gate_up_proj": {"ep": "S(0)", "tp": "SS(-1,2)"}
+    }

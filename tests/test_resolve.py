@@ -163,14 +163,12 @@ ROW = {
 
 
 def test_slice_fills_the_module_plan() -> None:
-    p = plan({"model.layers.*.self_attn": ROW, "lm_head": {"params": {"weight": {"tp": "S(0)"}}}},
-             injections=[{"match": "model.layers.*.self_attn", "inner_wrapper": "w"}, {"match": "nowhere.x"}])
+    p = plan({"model.layers.*.self_attn": ROW, "lm_head": {"params": {"weight": {"tp": "S(0)"}}}})
     sliced = p.slice(MOD, SOURCE)
     assert sliced is not None
     assert sliced.classes == {"lm_head": "torch.nn.Linear", "model.layers.*.self_attn": "Attention"}
     assert [c.pattern for c in sliced.contracts] == ["lm_head", "model.layers.*.self_attn"]
     assert sliced.roots == ("ToyModel", "ToyForCausalLM", "ToyForOther")
-    assert sliced.injections == ({"match": "model.layers.*.self_attn", "inner_wrapper": "w"},)
     assert sliced.plan_hash == p.hash and len(sliced.hash) == 64
     assert sliced.mesh == {"tp": 2}
     assert p.slice("pkg.models.other.modeling_other", SOURCE) is None

@@ -12,7 +12,7 @@ from typing import Any, Mapping
 from hp_lazy.errors import HpLazyError
 from hp_lazy.lower.classify import BoundOp, FormDecision, Op, classify, transition_op
 from hp_lazy.lower.facts import ForwardFacts, ModuleFacts, forward_facts, module_facts
-from hp_lazy.lower.lower import boundary_decisions, injection_for, lower
+from hp_lazy.lower.lower import boundary_decisions, lower
 from hp_lazy.plan.model import Plan
 
 __all__ = [
@@ -24,7 +24,6 @@ __all__ = [
     "boundary_decisions",
     "classify",
     "forward_facts",
-    "injection_for",
     "lower",
     "lower_source",
     "module_facts",

@@ -3,12 +3,11 @@
 One pure classifier, :func:`classify`, shared by the emitter, the runtime binder and
 ``hp_lazy check``. Forms (DESIGN.md section 3):
 
-- ``identity``: no transition changes a placement, no deferred bias, no injection: not rewritten;
+- ``identity``: no transition changes a placement, no deferred bias: not rewritten;
 - ``tp_collective``: every op is written inline; needs the structural gates below;
-- ``generic``: the runtime applies the same ops by name and position;
-- ``region``: an injection's ``local_compute_fn`` replaces the body.
+- ``generic``: the runtime applies the same ops by name and position.
 
-Structural gates of the inline forms: no ``*args``; every ``return`` has a value; every input
+Structural gates of the inline form: no ``*args``; every ``return`` has a value; every input
 with an op is a named forward parameter; every output op targets output 0 or a tuple position
 that every ``return`` has. The op of each transition comes from
 :func:`hp_lazy.plan.transitions.transition_op`.
@@ -21,11 +20,11 @@ from typing import Literal, Mapping
 
 from hp_lazy.errors import PlanError
 from hp_lazy.lower.facts import ForwardFacts
-from hp_lazy.plan.model import Contract
+from hp_lazy.plan.model import Contract, check_implemented
 from hp_lazy.plan.placement import AXES, Placement
 from hp_lazy.plan.transitions import Op, output_index, transition_op
 
-Form = Literal["identity", "tp_collective", "generic", "region"]
+Form = Literal["identity", "tp_collective", "generic"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,29 +127,18 @@ def _describe_returns(facts: ForwardFacts) -> str:
     return ", ".join(kinds) or "none"
 
 
-def classify(
-    contract: Contract,
-    facts: ForwardFacts,
-    mesh: Mapping[str, int],
-    *,
-    injection: Mapping[str, object] | None = None,
-) -> FormDecision:
+def classify(contract: Contract, facts: ForwardFacts, mesh: Mapping[str, int]) -> FormDecision:
     """Decide the form of one boundary whose forward is described by ``facts``."""
+    check_implemented(contract.pattern, contract)
     axes = active_axes(mesh)
     in_ops, out_ops = _in_ops(contract, facts, axes), _out_ops(contract, axes)
     _check_inputs(contract, facts, in_ops)
-    injection = injection or {}
-    if injection.get("local_compute_fn"):
-        reason = f"injection local_compute_fn={injection['local_compute_fn']!r}"
-        return FormDecision("region", (reason,), in_ops, out_ops)
     partial_out = any(p.is_partial for p in contract.out_src.get("output", {}).values())
     if contract.deferred_bias_params and not partial_out:
         raise PlanError(
             f"{contract.pattern}: deferred_bias_params {list(contract.deferred_bias_params)} need a P(sum) output "
             "reduced at exit; declare out_src 'P(sum)' for 'output' or drop deferred_bias_params"
         )
-    if injection.get("inner_wrapper"):
-        return FormDecision("generic", (f"injection inner_wrapper={injection['inner_wrapper']!r}",), in_ops, out_ops)
     if not in_ops and not out_ops:
         return FormDecision("identity", ("no transition changes a placement",), in_ops, out_ops)
     fails = _gate_failures(facts, in_ops, out_ops)

@@ -140,9 +140,6 @@ def forward_body(spec: ForwardSpec) -> list[str]:
     form, facts = spec.decision.form, spec.facts
     lines = [f"{RT}.ensure_parallel({facts.self_name})"] if spec.root else []
     lines += [f"_hp_b = {facts.self_name}._hp_b", "if _hp_b is None:", f"    return {impl_call(facts)}"]
-    if form == "region":
-        passed = ", ".join(filter(None, [facts.self_name, "_hp_b", call_args(facts)]))
-        return [*lines, repr(f"region: {'; '.join(spec.decision.reasons)}"), f"return {RT}.region({passed})"]
     generic = form == "generic"
     if generic:
         lines.append(repr(f"generic form: {'; '.join(spec.decision.reasons)}"))

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ast
 import copy
-import fnmatch
 from dataclasses import dataclass
 
 from hp_lazy.errors import LoweringError, PlanError
@@ -93,24 +92,6 @@ def _check_roots(plan: ModulePlan, mod: ModuleFacts) -> None:
             )
 
 
-def injection_for(plan: ModulePlan, pattern: str) -> dict[str, object]:
-    """The injections whose ``match`` is ``pattern`` or a glob matching it, merged."""
-    merged: dict[str, object] = {}
-    for inj in plan.injections:
-        match = str(inj.get("match", ""))
-        if match != pattern and not fnmatch.fnmatchcase(pattern, match):
-            continue
-        for key, value in sorted(inj.items()):
-            if key == "match":
-                continue
-            if key in merged and merged[key] != value:
-                raise PlanError(
-                    f"{pattern}: two injections set {key!r} differently ({merged[key]!r} vs {value!r}); keep one"
-                )
-            merged[key] = value
-    return merged
-
-
 def _class_contracts(plan: ModulePlan, mod: ModuleFacts) -> dict[str, list[Contract]]:
     by_pattern = {c.pattern: c for c in plan.contracts}
     out: dict[str, list[Contract]] = {}
@@ -155,8 +136,7 @@ def _targets(
 
 
 def _decide(contract: Contract, facts: ForwardFacts, plan: ModulePlan) -> FormDecision:
-    injection = injection_for(plan, contract.pattern)
-    return classify(contract, facts, plan.mesh, injection=injection)
+    return classify(contract, facts, plan.mesh)
 
 
 def _forward_source(tree: ast.Module, cls: ClassFacts, module: str, originals: dict[str, _FnDef]) -> _Source:

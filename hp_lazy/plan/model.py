@@ -7,21 +7,78 @@ after (``dst``) the boundary, and how each parameter under it is placed.
 Input keys are forward parameter names (``"hidden_states"``; ``"input"`` for torch leaves).
 Output keys are ``"output"`` (the sole return value, or position 0 of a tuple return) and
 ``"output.<i>"`` (tuple position ``i``).
+
+A contract may also name an op *inside* the boundary's body (:class:`InnerOp`, at the attention
+function call: context parallel) or a *region* that replaces the module's compute
+(:class:`Region`: expert-parallel dispatch). Kinds not in :data:`IMPLEMENTED` are refused by
+:func:`check_implemented`, at parse time and again by the lowerer.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from functools import cached_property
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any, Literal, Mapping
 
+from hp_lazy.errors import PlanError
 from hp_lazy.plan.placement import Placement
 
 AxisPlacements = Mapping[str, Placement]
 """Mesh axis -> placement; an axis that is absent means ``R``."""
+
+InnerCall = Literal["attention"]
+InnerKind = Literal["cp_allgather_kv", "cp_ulysses"]
+RegionKind = Literal["ep_dispatch"]
+INNER_CALLS: tuple[str, ...] = ("attention",)
+"""Call sites an inner op can sit at: the attention function a boundary's forward calls."""
+INNER_KINDS: Mapping[str, str] = MappingProxyType(
+    {"cp_allgather_kv": "context parallel", "cp_ulysses": "context parallel"}
+)
+REGION_KINDS: Mapping[str, str] = MappingProxyType({"ep_dispatch": "expert parallel"})
+IMPLEMENTED: frozenset[str] = frozenset()
+"""Inner-op and region kinds hp_lazy lowers and runs. CP/EP work adds its kinds here."""
+
+
+def one_of(where: str, what: str, value: object, allowed: Mapping[str, str] | tuple[str, ...]) -> str:
+    """``value`` if it is one of ``allowed``; else a :class:`PlanError` listing them."""
+    if not isinstance(value, str) or value not in allowed:
+        raise PlanError(f"{where}: {what} {value!r} is not one of {sorted(allowed)}; use one of those")
+    return value
+
+
+@dataclass(frozen=True, kw_only=True)
+class InnerOp:
+    """An op at a call inside the boundary's body, e.g. ``InnerOp(call="attention",
+    kind="cp_allgather_kv")``: K/V all-gathered over cp around the attention function."""
+
+    call: InnerCall
+    kind: InnerKind
+
+    def __post_init__(self) -> None:
+        one_of("InnerOp", "call", self.call, INNER_CALLS)
+        one_of("InnerOp", "kind", self.kind, INNER_KINDS)
+
+    def to_dict(self) -> dict[str, str]:
+        return {"call": self.call, "kind": self.kind}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Region:
+    """A region that replaces the module's compute, e.g. ``Region(kind="ep_dispatch")``: tokens
+    sent to the ranks holding their experts and back."""
+
+    kind: RegionKind
+
+    def __post_init__(self) -> None:
+        one_of("Region", "kind", self.kind, REGION_KINDS)
+
+    def to_dict(self) -> dict[str, str]:
+        return {"kind": self.kind}
+
 
 
 def _frozen(mapping: Mapping | None) -> Mapping:
@@ -46,6 +103,10 @@ class Contract:
     and a rowwise Linear; norms on sequence-sharded activations): all-reduced in backward."""
     skip_source_lowering: bool = False
     """Bind the contract at run time only (leaf modules, shared classes); do not rewrite source."""
+    inner: InnerOp | None = None
+    """An op at the attention call inside the body (context parallel); refused until implemented."""
+    region: Region | None = None
+    """A region replacing the module's compute (expert parallel); refused until implemented."""
 
     def __post_init__(self) -> None:
         for name in ("in_src", "in_dst", "out_src", "out_dst", "params"):
@@ -65,6 +126,21 @@ class Contract:
         return contract_to_dict(self)
 
 
+def check_implemented(where: str, contract: Contract) -> None:
+    """Refuse an inner op or region whose kind is not in :data:`IMPLEMENTED` (never ignore it)."""
+    for key, value, kinds in (("inner", contract.inner, INNER_KINDS), ("region", contract.region, REGION_KINDS)):
+        if value is not None and value.kind not in IMPLEMENTED:
+            raise PlanError(
+                f"{where}.{key}: kind {value.kind!r} ({kinds[value.kind]}) is not implemented yet in "
+                f"hp_lazy {_version()}; remove the key"
+            )
+
+
+def _version() -> str:
+    # The parent package is imported before any of its modules; reading it is not an import.
+    return str(getattr(sys.modules.get("hp_lazy"), "__version__", "?"))
+
+
 @dataclass(frozen=True, kw_only=True)
 class Plan:
     """A validated, normalised plan. Build it with ``Plan.from_dict``/``from_json``/``auto``."""
@@ -75,7 +151,6 @@ class Plan:
     """Module names (or globs, for ``auto``) whose import is lowered."""
     boundaries: tuple[Contract, ...] = ()
     boundary_classes: Mapping[str, str] = field(default_factory=dict)
-    injections: tuple[Mapping[str, object], ...] = ()
     auto: Mapping[str, object] | None = None
     """Set for ``Plan.auto``: ``{"tp": 2, "sequence_parallel": False, "loss_parallel": False}``;
     the contracts of each transformers module are derived when it is imported."""
@@ -168,7 +243,6 @@ class ModulePlan:
     (``"torch.nn.Linear"``, an imported class) is a leaf bound at run time only."""
     roots: tuple[str, ...]
     """Classes of this module whose ``forward`` first binds the model (shards it) if needed."""
-    injections: tuple[Mapping[str, object], ...] = ()
     hash: str = ""
 
     def contract(self, pattern: str) -> Contract:
@@ -186,5 +260,4 @@ class ModulePlan:
             "contracts": {c.pattern: c.to_dict() for c in self.contracts},
             "classes": dict(self.classes),
             "roots": list(self.roots),
-            "injections": [dict(rule) for rule in self.injections],
         }

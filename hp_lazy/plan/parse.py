@@ -12,17 +12,33 @@ import json
 import os
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 from hp_lazy.errors import PlanError
-from hp_lazy.plan.model import Contract, Plan
+from hp_lazy.plan.model import (
+    INNER_CALLS,
+    INNER_KINDS,
+    REGION_KINDS,
+    Contract,
+    InnerCall,
+    InnerKind,
+    InnerOp,
+    Plan,
+    Region,
+    RegionKind,
+    check_implemented,
+    one_of,
+)
 from hp_lazy.plan.placement import AXES, Placement, Shard
 from hp_lazy.plan.transitions import output_index
 
-TOP_KEYS = ("version", "mesh", "modules", "boundaries", "boundary_classes", "injections", "auto")
+TOP_KEYS = ("version", "mesh", "modules", "boundaries", "boundary_classes", "auto")
 PLACEMENT_SIDES = ("in_src", "in_dst", "out_src", "out_dst", "params")
-CONTRACT_KEYS = (*PLACEMENT_SIDES, "deferred_bias_params", "grad_sum_params", "skip_source_lowering")
-INJECTION_KEYS = ("match", "inner_wrapper", "inner_target", "inner_out_src", "local_compute_fn", "ep_stack", "ep_size")
+CONTRACT_KEYS = (
+    *PLACEMENT_SIDES, "deferred_bias_params", "grad_sum_params", "skip_source_lowering", "inner", "region"
+)
+INNER_KEYS = ("call", "kind")
+REGION_KEYS = ("kind",)
 AUTO_KEYS = ("tp", "sequence_parallel", "loss_parallel", "vocab_parallel_embedding")
 RESERVED_PREFIXES = ("_hp_", "__hp_")
 _PATTERN_SEGMENT = re.compile(r"^[\w*?\[\]!-]+$")
@@ -128,6 +144,26 @@ def _axes_text(axes: Mapping[str, Placement] | None) -> str:
     return "nothing" if not axes else "{" + ", ".join(f"{a}: {p}" for a, p in axes.items()) + "}"
 
 
+def _parse_inner(where: str, data: object) -> InnerOp:
+    body = _check_keys(where, data, INNER_KEYS)
+    _require(where, body, INNER_KEYS, '{"call": "attention", "kind": "cp_allgather_kv"}')
+    call = one_of(f"{where}.call", "call", body["call"], INNER_CALLS)
+    kind = one_of(f"{where}.kind", "kind", body["kind"], INNER_KINDS)
+    return InnerOp(call=cast(InnerCall, call), kind=cast(InnerKind, kind))
+
+
+def _parse_region(where: str, data: object) -> Region:
+    body = _check_keys(where, data, REGION_KEYS)
+    _require(where, body, REGION_KEYS, '{"kind": "ep_dispatch"}')
+    return Region(kind=cast(RegionKind, one_of(f"{where}.kind", "kind", body["kind"], REGION_KINDS)))
+
+
+def _require(where: str, body: Mapping[str, Any], keys: tuple[str, ...], example: str) -> None:
+    missing = [key for key in keys if key not in body]
+    if missing:
+        raise PlanError(f"{where}: {dict(body)!r} has no {missing}; write e.g. {example}")
+
+
 def contract_from_dict(pattern: str, data: object, mesh: Mapping[str, int]) -> Contract:
     """Validate one ``boundaries[pattern]`` entry against the mesh."""
     where = f"plan.boundaries[{pattern!r}]"
@@ -143,8 +179,11 @@ def contract_from_dict(pattern: str, data: object, mesh: Mapping[str, int]) -> C
         deferred_bias_params=_parse_names(f"{where}.deferred_bias_params", body.get("deferred_bias_params", [])),
         grad_sum_params=_parse_names(f"{where}.grad_sum_params", body.get("grad_sum_params", [])),
         skip_source_lowering=skip,
+        inner=_parse_inner(f"{where}.inner", body["inner"]) if "inner" in body else None,
+        region=_parse_region(f"{where}.region", body["region"]) if "region" in body else None,
     )
     _check_deferred_biases(where, contract)
+    check_implemented(where, contract)
     return contract
 
 
@@ -161,6 +200,10 @@ def contract_to_dict(contract: Contract) -> dict[str, Any]:
         out["grad_sum_params"] = list(contract.grad_sum_params)
     if contract.skip_source_lowering:
         out["skip_source_lowering"] = True
+    if contract.inner is not None:
+        out["inner"] = contract.inner.to_dict()
+    if contract.region is not None:
+        out["region"] = contract.region.to_dict()
     return out
 
 
@@ -194,24 +237,6 @@ def _parse_classes(data: object, patterns: set[str]) -> dict[str, str]:
     return dict(data)
 
 
-def _parse_injections(data: object) -> tuple[dict[str, Any], ...]:
-    if not isinstance(data, (list, tuple)):
-        raise PlanError(f"plan.injections: {data!r} is not a list of {{\"match\": pattern, ...}}; fix the plan")
-    out = []
-    for i, rule in enumerate(data):
-        where = f"plan.injections[{i}]"
-        body = _check_keys(where, rule, INJECTION_KEYS)
-        if "match" not in body:
-            raise PlanError(f"{where}: {dict(body)!r} has no 'match'; add the FQN pattern it applies to")
-        check_name(f"{where}.match", body["match"], "pattern")
-        try:
-            canonical_json(dict(body))
-        except (TypeError, ValueError) as exc:
-            raise PlanError(f"{where}: {dict(body)!r} is not JSON data ({exc}); use strings, numbers, lists") from exc
-        out.append(dict(body))
-    return tuple(out)
-
-
 def parse_auto(data: object) -> dict[str, object]:
     body = _check_keys("plan.auto", data, AUTO_KEYS)
     tp = body.get("tp", 2)
@@ -225,8 +250,20 @@ def parse_auto(data: object) -> dict[str, object]:
     return {"tp": tp, **flags}
 
 
+def _refuse_injections(body: Mapping[str, Any]) -> None:
+    if "injections" in body:
+        raise PlanError(
+            f"plan.injections: {body['injections']!r} is no longer read; the untyped injections list was "
+            "replaced by typed fields of a boundary's body: \"inner\": {\"call\": \"attention\", \"kind\": "
+            "\"cp_allgather_kv\"} (context parallel) or \"region\": {\"kind\": \"ep_dispatch\"} (expert "
+            "parallel); remove the key and write the field under plan.boundaries[pattern]"
+        )
+
+
 def plan_from_dict(data: object) -> Plan:
     """Validate and normalise a plan given as JSON data."""
+    if isinstance(data, Mapping):
+        _refuse_injections(data)
     body = _check_keys("plan", data, TOP_KEYS)
     version = body.get("version", 1)
     if version != 1 or isinstance(version, bool):
@@ -249,7 +286,6 @@ def plan_from_dict(data: object) -> Plan:
         modules=modules,
         boundaries=boundaries,
         boundary_classes=classes,
-        injections=_parse_injections(body.get("injections", [])),
         auto=auto,
     )
 
@@ -264,8 +300,6 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
     }
     if plan.boundary_classes:
         out["boundary_classes"] = dict(plan.boundary_classes)
-    if plan.injections:
-        out["injections"] = [dict(rule) for rule in plan.injections]
     if plan.auto is not None:
         out["auto"] = dict(plan.auto)
     return out

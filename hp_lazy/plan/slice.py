@@ -42,7 +42,6 @@ def slice_plan(plan: Plan, module: str, source: str) -> ModulePlan | None:
     if not applied:
         return None
     _check_shared_classes(module, applied)
-    patterns = {a.contract.pattern for a in applied}
     sliced = ModulePlan(
         module=module,
         plan_hash=plan.hash,
@@ -50,7 +49,6 @@ def slice_plan(plan: Plan, module: str, source: str) -> ModulePlan | None:
         contracts=tuple(sorted((a.contract for a in applied), key=lambda c: c.pattern)),
         classes={a.contract.pattern: a.cls for a in sorted(applied, key=lambda a: a.contract.pattern)},
         roots=_roots(facts, applied),
-        injections=tuple(r for r in plan.injections if r["match"] in patterns or resolve_pattern(facts, r["match"])),
     )
     return replace(sliced, hash=sha256_json(sliced.to_dict()))
 
@@ -114,7 +112,7 @@ def _check_shared_classes(module: str, applied: list[_Applied]) -> None:
             continue
         other = first.setdefault(item.cls, item)
         mine, theirs = item.contract.to_dict(), other.contract.to_dict()
-        for field in ("in_src", "in_dst", "out_src", "out_dst", "deferred_bias_params", "grad_sum_params"):
+        for field in ("in_src", "in_dst", "out_src", "out_dst", "deferred_bias_params", "grad_sum_params", "inner", "region"):
             if mine.get(field) != theirs.get(field):
                 raise PlanError(
                     f"{module}: boundaries {other.contract.pattern!r} and {item.contract.pattern!r} both lower "

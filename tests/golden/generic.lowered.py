@@ -59,17 +59,3 @@ class ViaKwargs:
         'output: deferred biases are added by exit, once, after the reduction'
         _hp_out = __hp_rt__.exit(_hp_b, _hp_out)
         return _hp_out
-
-class Region:
-    _hp_form = 'region'
-    _hp_b = __hp_rt__.unbound('golden.generic.Region')
-
-    def _forward_impl(self, hidden_states):
-        return hidden_states
-
-    def forward(self, hidden_states):
-        _hp_b = self._hp_b
-        if _hp_b is None:
-            return self._forward_impl(hidden_states)
-        "region: injection local_compute_fn='ep_dispatch'"
-        return __hp_rt__.region(self, _hp_b, hidden_states)

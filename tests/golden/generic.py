@@ -14,8 +14,3 @@ class Bare:
 class ViaKwargs:
     def forward(self, hidden_states, **kwargs):
         return hidden_states + kwargs["mask"]
-
-
-class Region:
-    def forward(self, hidden_states):
-        return hidden_states
