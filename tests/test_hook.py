@@ -323,7 +323,7 @@ REMOTE_SCRIPT = """
 import json, sys
 sys.path.insert(0, {pkgs!r})
 from hookfakes import install_fake
-handle = install_fake(("transformers_modules.*.modeling_fake",), {cache!r})
+handle = install_fake(("transformers_modules.**.modeling_fake",), {cache!r})
 import transformers.dynamic_module_utils as dmu
 dmu.HF_MODULES_CACHE = {hf!r}
 cls = dmu.get_class_in_module("Block", "transformers_modules/fakerepo/abc123/modeling_fake.py")
@@ -349,7 +349,7 @@ def test_remote_code_loaded_by_transformers_is_lowered(tmp_path: Path, monkeypat
     monkeypatch.setattr(dmu, "HF_MODULES_CACHE", str(hf))
     name = "transformers_modules.fakerepo.abc123.modeling_fake"
     try:
-        with install_fake(("transformers_modules.*.modeling_fake",), tmp_path / "cache"):
+        with install_fake(("transformers_modules.**.modeling_fake",), tmp_path / "cache"):
             cls = dmu.get_class_in_module("Block", "transformers_modules/fakerepo/abc123/modeling_fake.py")
             module = sys.modules[name]
             assert cls.__module__ == name and module.__lowered_by__ == "fake"

@@ -171,6 +171,12 @@ def test_auto_plan_fields_and_round_trip() -> None:
             lambda d: d["boundary_classes"].update({"model.norm": "LlamaRMSNorm"}),
             "plan.boundary_classes['model.norm']: the pattern has no entry in plan.boundaries",
         ),
+        (lambda d: d.update(modules=["pkg.modeling_[z-a]"]), "plan.modules: glob 'pkg.modeling_[z-a]': range z-a"),
+        (
+            lambda d: d["boundaries"].update({"model.layers.[9-0]": {}}),
+            "plan.boundaries: glob 'model.layers.[9-0]': range 9-0 in [9-0] runs backwards; write the lower "
+            "character first, e.g. [0-9]",
+        ),
         (lambda d: d.update(boundaries={}), "plan.boundaries: the plan has no boundary"),
         (lambda d: d["boundaries"].update({"model..x": {}}), "pattern 'model..x' has an empty or invalid segment ''"),
         (lambda d: d.update(auto={"tp": 2, "sp": True}), "plan.auto: unknown key 'sp'"),

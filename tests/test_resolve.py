@@ -244,3 +244,20 @@ def test_shared_class_needs_identical_contracts_except_params() -> None:
 def test_unparsable_source_is_a_plan_error() -> None:
     with pytest.raises(PlanError, match=r"m: the source does not parse"):
         plan({"a": {}}, modules=["m"]).slice("m", "class (:\n")
+
+
+def test_segments_use_the_fqn_glob_rule() -> None:
+    assert resolved("model.pair.[01]")["ToyForCausalLM"] == {"Attention", "MLP"}
+    assert resolved("model.pair.[!0]")["ToyForCausalLM"] == {"MLP"}
+    assert resolved("model.layers.[0-3].mlp")["ToyForCausalLM"] == {"MLP"}
+    assert resolved("model.layers.?.self_attn.[o-q]_proj")["ToyModel"] == {"torch.nn.Linear"}
+    assert resolved("model.layers.q*.mlp") == {}  # a ModuleList is entered by position only
+    assert resolved("model.*.*.mlp")["ToyForCausalLM"] == {"MLP"}  # '*' matches an attribute too
+    assert resolved("model.layers.*.inner.self_attn") == {}  # '*' is one segment
+
+
+def test_double_star_spans_one_or_more_segments() -> None:
+    assert resolved("model.**.up")["ToyForCausalLM"] == {"torch.nn.Linear"}
+    assert resolved("**.q_proj")["ToyModel"] == {"torch.nn.Linear"}
+    assert "Layer" not in resolved("**.self_attn")  # Layer holds self_attn at depth 1: '**' needs one more
+    assert resolved("**.self_attn")["ToyModel"] == {"Attention"}

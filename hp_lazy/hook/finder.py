@@ -17,21 +17,20 @@ if transformers.dynamic_module_utils is imported, else right after it is.
 
 from __future__ import annotations
 
-import fnmatch
 import importlib
 import importlib.util
-import re
 import sys
 import threading
 import warnings
+from collections.abc import Iterable, Sequence
 from importlib.machinery import ModuleSpec, SourceFileLoader
 from types import ModuleType
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any
 
 from hp_lazy.hook.loader import HookState, HpLazyLoader
+from hp_lazy.plan.fqn import compile_globs, is_glob
 
 DYNAMIC_MODULE_UTILS = "transformers.dynamic_module_utils"
-_GLOB_CHARS = frozenset("*?[")
 
 
 class ForeignLoaderWarning(UserWarning):
@@ -39,14 +38,14 @@ class ForeignLoaderWarning(UserWarning):
 
 
 class NameMatcher:
-    """Exact names in a frozenset, globs (fnmatch syntax, ``*`` crosses dots) in one regex."""
+    """Exact names in a frozenset, globs (:mod:`hp_lazy.plan.fqn`: ``*`` stays inside one dotted
+    segment, ``**`` spans segments) in one regex."""
 
     def __init__(self, patterns: Iterable[str]) -> None:
         patterns = tuple(patterns)
-        self.exact = frozenset(p for p in patterns if not _GLOB_CHARS & set(p))
-        globs = [p for p in patterns if _GLOB_CHARS & set(p)]
-        self.globs = tuple(globs)
-        self._regex = re.compile("|".join(fnmatch.translate(g) for g in globs)) if globs else None
+        self.exact = frozenset(p for p in patterns if not is_glob(p))
+        self.globs = tuple(p for p in patterns if is_glob(p))
+        self._regex = compile_globs(self.globs)
 
     def __call__(self, name: str) -> bool:
         if name in self.exact:
@@ -63,15 +62,15 @@ class HpLazyFinder:
         self._busy = threading.local()
 
     def find_spec(
-        self, fullname: str, path: Optional[Sequence[str]], target: Optional[ModuleType] = None
-    ) -> Optional[ModuleSpec]:
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> ModuleSpec | None:
         if fullname == DYNAMIC_MODULE_UTILS:
             return self._watch_dynamic_module_utils(fullname, path, target)
         if not self.matches(fullname) or getattr(self._busy, "on", False):
             return None
         return self.adopt(self._delegate(fullname, path, target))
 
-    def adopt(self, spec: Optional[ModuleSpec]) -> Optional[ModuleSpec]:
+    def adopt(self, spec: ModuleSpec | None) -> ModuleSpec | None:
         """Swap the loader of a planned source module's spec for hp_lazy's; else leave it."""
         if spec is None or not self.matches(spec.name):
             return spec
@@ -92,8 +91,8 @@ class HpLazyFinder:
         return spec
 
     def _delegate(
-        self, fullname: str, path: Optional[Sequence[str]], target: Optional[ModuleType]
-    ) -> Optional[ModuleSpec]:
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None
+    ) -> ModuleSpec | None:
         self._busy.on = True
         try:
             for finder in _after(self):
@@ -108,8 +107,8 @@ class HpLazyFinder:
             self._busy.on = False
 
     def _watch_dynamic_module_utils(
-        self, fullname: str, path: Optional[Sequence[str]], target: Optional[ModuleType]
-    ) -> Optional[ModuleSpec]:
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None
+    ) -> ModuleSpec | None:
         if getattr(self._busy, "on", False):
             return None
         spec = self._delegate(fullname, path, target)
@@ -146,7 +145,7 @@ class _UtilView:
     def __getattr__(self, name: str) -> Any:
         return getattr(importlib.util, name)
 
-    def spec_from_file_location(self, *args: Any, **kwargs: Any) -> Optional[ModuleSpec]:
+    def spec_from_file_location(self, *args: Any, **kwargs: Any) -> ModuleSpec | None:
         return self._finder.adopt(importlib.util.spec_from_file_location(*args, **kwargs))
 
 

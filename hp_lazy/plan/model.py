@@ -19,12 +19,12 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass, field
-from fnmatch import fnmatchcase
 from functools import cached_property
 from types import MappingProxyType
 from typing import Any, Literal, Mapping
 
 from hp_lazy.errors import PlanError
+from hp_lazy.plan.fqn import matches
 from hp_lazy.plan.placement import Placement
 
 AxisPlacements = Mapping[str, Placement]
@@ -148,7 +148,7 @@ class Plan:
     version: int = 1
     mesh: Mapping[str, int] = field(default_factory=dict)
     modules: tuple[str, ...] = ()
-    """Module names (or globs, for ``auto``) whose import is lowered."""
+    """Module names or globs (:mod:`hp_lazy.plan.fqn`) whose import is lowered."""
     boundaries: tuple[Contract, ...] = ()
     boundary_classes: Mapping[str, str] = field(default_factory=dict)
     auto: Mapping[str, object] | None = None
@@ -192,7 +192,7 @@ class Plan:
 
     def targets(self, module_name: str) -> bool:
         """Whether importing ``module_name`` is lowered: a name check against ``modules``, no I/O."""
-        return any(module_name == m or fnmatchcase(module_name, m) for m in self.modules)
+        return any(matches(m, module_name) for m in self.modules)
 
     def slice(self, module_name: str, source: str) -> "ModulePlan | None":
         """The part of the plan that applies to one module's source; None if it targets nothing there."""

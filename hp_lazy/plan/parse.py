@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import Any, cast
 
 from hp_lazy.errors import PlanError
+from hp_lazy.plan.fqn import check_glob, is_glob
 from hp_lazy.plan.model import (
     INNER_CALLS,
     INNER_KINDS,
@@ -74,7 +75,7 @@ def check_name(where: str, name: object, what: str = "name") -> str:
             )
         if not _PATTERN_SEGMENT.match(segment):
             raise PlanError(f"{where}: {what} {name!r} has an empty or invalid segment {segment!r}; fix the plan")
-    return name
+    return check_glob(where, name) if is_glob(name) else name
 
 
 def _parse_mesh(data: object) -> dict[str, int]:
@@ -216,6 +217,7 @@ def _parse_modules(data: object) -> tuple[str, ...]:
     for name in data:
         if not isinstance(name, str) or not name or any(not part for part in name.split(".")):
             raise PlanError(f"plan.modules: {name!r} is not a dotted module name (globs allowed); fix the plan")
+        check_glob("plan.modules", name)
     return tuple(data)
 
 

@@ -7,7 +7,9 @@ module are inherited. Names are qualified through the module's imports (``from t
 ``nn.Linear`` is ``"torch.nn.Linear"``; relative imports become absolute against the module's package).
 
 A pattern such as ``"model.layers.*.self_attn"`` is then walked from a start class, one segment per
-attribute; ``"*"`` or an integer steps into a ``ModuleList``'s element class.
+attribute, with the globs of :mod:`hp_lazy.plan.fqn`: a segment matches attribute names, or, on a
+``ModuleList``, the element positions (``"0"``, ``"*"``, ``"[0-3]"``); a ``"**"`` segment takes one
+or more such steps.
 """
 
 from __future__ import annotations
@@ -15,10 +17,10 @@ from __future__ import annotations
 import ast
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from fnmatch import fnmatchcase
 from functools import lru_cache
 
 from hp_lazy.errors import PlanError
+from hp_lazy.plan.fqn import is_glob, matches
 
 MODULE_LISTS = frozenset({"torch.nn.ModuleList", "torch.nn.modules.container.ModuleList"})
 PARAMETERS = frozenset({"torch.nn.Parameter", "torch.nn.parameter.Parameter"})
@@ -28,6 +30,9 @@ NO_FORWARD_BASES = frozenset(
 FACTORIES = frozenset({"_from_config", "from_config"})
 PRETRAINED = "transformers.modeling_utils.PreTrainedModel"
 FunctionNode = ast.FunctionDef | ast.AsyncFunctionDef
+INDEX_PROBE = 1024
+"""A ModuleList built by a comprehension has no static length: a segment steps into it when it
+matches one of the positions below this."""
 
 
 @dataclass(frozen=True)
@@ -127,25 +132,47 @@ class ModuleFacts:
         """Class names ``pattern`` reaches from local class ``start`` (empty: no static match)."""
         refs = {Ref(start, True)}
         for segment in pattern.split("."):
-            refs = {child for ref in refs for child in self._step(ref, segment)}
+            refs = self._steps(refs, segment)
             if not refs:
                 return set()
         return {ref.name for ref in refs}
 
+    def _steps(self, refs: set[Ref], segment: str) -> set[Ref]:
+        if segment != "**":
+            return {child for ref in refs for child in self._step(ref, segment)}
+        found: set[Ref] = set()
+        frontier = refs
+        while frontier:  # one or more segments, each matching anything
+            frontier = {child for ref in frontier for child in self._step(ref, "*")} - found
+            found |= frontier
+        return found
+
     def _step(self, ref: Ref, segment: str) -> Iterator[Ref]:
         if ref.elements is not None:
-            if segment == "*":
-                yield from (r for group in ref.elements for r in group)
-            elif segment.isdigit() and ref.elements:
-                index = int(segment) if ref.literal else 0
-                if index < len(ref.elements):
-                    yield from ref.elements[index]
+            yield from _elements(ref, segment)
             return
-        if not ref.local or segment == "*":
+        if not ref.local:
             return
         for attr, refs in self.children(ref.name).items():
-            if attr == segment or (any(ch in segment for ch in "*?[") and fnmatchcase(attr, segment)):
+            if matches(segment, attr):
                 yield from refs
+
+
+def _elements(ref: Ref, segment: str) -> Iterator[Ref]:
+    """The element classes of a ModuleList at the positions ``segment`` matches."""
+    if ref.literal:
+        for index, group in enumerate(ref.elements or ()):
+            if matches(segment, str(index)):
+                yield from group
+    elif ref.elements and _matches_an_index(segment):
+        yield from ref.elements[0]
+
+
+@lru_cache(maxsize=256)
+def _matches_an_index(segment: str) -> bool:
+    if not is_glob(segment):
+        return segment.isdigit()
+    return any(matches(segment, str(index)) for index in range(INDEX_PROBE))
 
 
 def _dotted(node: ast.expr) -> str | None:
