@@ -24,6 +24,7 @@ import hookfakes  # noqa: E402
 from hookfakes import BOOM_LINE, TOY_SOURCE, install_fake, make_pkg  # noqa: E402
 
 from hp_lazy.errors import PlanError  # noqa: E402
+from hp_lazy.plan import AutoFlags  # noqa: E402
 from hp_lazy.hook import api  # noqa: E402
 from hp_lazy.hook.cache import Cache  # noqa: E402
 from hp_lazy.hook.finder import ForeignLoaderWarning, HpLazyFinder, NameMatcher  # noqa: E402
@@ -193,7 +194,7 @@ def test_glob_targets_and_auto_already_imported_check(toy) -> None:
     name, _, cache_dir = toy
     pkg = name.split(".")[0]
     module = importlib.import_module(name)
-    auto_plan = hookfakes.FakePlan((f"{pkg}.modeling_*",), auto={"tp": 2})
+    auto_plan = hookfakes.FakePlan((f"{pkg}.modeling_*",), auto_flags=AutoFlags(tp=2))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no config with base_model_tp_plan: no warning
         api.install(auto_plan, cache=Cache(cache_dir), lower=hookfakes.fake_lower,
@@ -404,7 +405,7 @@ def test_tp_overrides_an_explicit_plan() -> None:
     assert api.load_plan(plan) is plan and api.load_plan(plan, tp=2) is plan
     assert api.load_plan(plan, tp=4).mesh["tp"] == 4 and api.load_plan(str(path), tp=8).mesh["tp"] == 8
     auto = api.load_plan(Plan.auto(tp=2), tp=4)
-    assert auto.mesh["tp"] == 4 and auto.auto["tp"] == 4 and api.load_plan("auto", tp=4).hash == auto.hash
+    assert auto.mesh["tp"] == 4 and auto.auto_flags.tp == 4 and api.load_plan("auto", tp=4).hash == auto.hash
     with pytest.raises(PlanError, match=r"sequence_parallel=True applies to the 'auto' plan only"):
         api.load_plan(plan, sequence_parallel=True)
 

@@ -320,7 +320,7 @@ def test_lower_does_not_import_torch() -> None:
 
 
 def test_lower_source_uses_the_plan_slice() -> None:
-    from hp_lazy.plan.model import Plan
+    from hp_lazy.plan import Plan
 
     boundary = {
         "in_src": {"hidden_states": {"tp": "R"}},

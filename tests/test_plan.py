@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from hp_lazy.errors import PlanError
-from hp_lazy.plan import InnerOp, Plan, Region, Shard
+from hp_lazy.plan import AutoFlags, InnerOp, Plan, Region, Shard
 from hp_lazy.plan import model as plan_model
 
 ATTN = "model.layers.*.self_attn"
@@ -54,7 +54,7 @@ def test_from_dict_builds_contracts_with_parsed_placements() -> None:
     assert attn.placement("out_src", "output", "tp").is_partial
     assert attn.placement("params", "k_proj.weight", "tp").is_replicate  # absent -> R
     assert attn.deferred_bias_params == ("o_proj.bias",)
-    assert plan.mesh == {"tp": 2} and plan.auto is None
+    assert plan.mesh == {"tp": 2} and plan.auto_flags is None
     assert plan.boundary_classes == {ATTN: "LlamaAttention"}
     assert attn.inner is None and attn.region is None
 
@@ -107,7 +107,10 @@ def test_auto_plan_fields_and_round_trip() -> None:
     plan = Plan.auto(tp=4, sequence_parallel=True)
     assert plan.mesh == {"tp": 4}
     assert plan.modules == ("transformers.models.*.modeling_*",)
-    assert plan.auto == {"tp": 4, "sequence_parallel": True, "loss_parallel": False, "vocab_parallel_embedding": True}
+    assert plan.auto_flags == AutoFlags(tp=4, sequence_parallel=True, loss_parallel=False, vocab_parallel_embedding=True)
+    assert plan.to_dict()["auto"] == {
+        "tp": 4, "sequence_parallel": True, "loss_parallel": False, "vocab_parallel_embedding": True
+    }
     assert Plan.from_json(plan.to_json()) == plan
     assert plan.hash != Plan.auto(tp=4).hash
     assert plan.targets("transformers.models.llama.modeling_llama")
@@ -211,7 +214,6 @@ def test_plan_package_does_not_import_distributed_or_transformers() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
-
 
 
 # ---------------------------------------------------------------- inner ops and regions

@@ -252,7 +252,7 @@ def _declares_plan(plan: Any, module: Optional[ModuleType]) -> bool:
     info = getattr(module, "__hp_lazy__", None)
     if info is not None and getattr(info, "plan_hash", None) == plan.hash:
         return False
-    if getattr(plan, "auto", None) is None or module.__name__ in plan.modules:
+    if getattr(plan, "auto_flags", None) is None or module.__name__ in plan.modules:
         return True
     for value in list(vars(module).values()):
         if isinstance(value, type) and getattr(value, "base_model_tp_plan", None):

@@ -1,8 +1,25 @@
-"""What is sharded: placements, contracts, plans and their per-module slices."""
+"""What is sharded: placements, contracts, plans and their per-module slices.
 
-from hp_lazy.plan.model import Contract, InnerOp, ModulePlan, Plan, Region
+Layers, each importing only those above it in this list: ``fqn`` (globs), ``placement``,
+``transitions`` (src/dst -> op, output keys), ``model`` (contracts, slices), ``parse``
+(validation), ``resolve`` (static class graph), ``auto`` (transformers' TP plans), ``slice``,
+and ``plan`` (:class:`Plan`, which ties them together).
+"""
+
+from hp_lazy.plan.model import AutoFlags, Contract, InnerOp, ModulePlan, Region
 from hp_lazy.plan.placement import PackedShard, Partial, Placement, Replicate, Shard
+from hp_lazy.plan.plan import Plan
 
 __all__ = [
-    "Contract", "InnerOp", "ModulePlan", "PackedShard", "Partial", "Placement", "Plan", "Region", "Replicate", "Shard",
+    "AutoFlags",
+    "Contract",
+    "InnerOp",
+    "ModulePlan",
+    "PackedShard",
+    "Partial",
+    "Placement",
+    "Plan",
+    "Region",
+    "Replicate",
+    "Shard",
 ]

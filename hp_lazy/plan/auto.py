@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import NoReturn
 
 from hp_lazy.errors import PlanError
-from hp_lazy.plan.model import Contract
+from hp_lazy.plan.model import AutoFlags, Contract
 from hp_lazy.plan.parse import contract_from_dict
 from hp_lazy.plan.resolve import ModuleFacts, analyze, forward_params
 
@@ -67,16 +67,15 @@ def auto_contracts(
 ) -> tuple[Contract, ...] | None:
     """Contracts for one ``transformers.models.<x>.modeling_<x>`` module, or None when the module
     is not such a module or its configs declare no ``base_model_tp_plan``."""
-    parts = auto_parts(
-        module_name, source, tp=tp, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
+    flags = AutoFlags(
+        tp=tp, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
         vocab_parallel_embedding=vocab_parallel_embedding,
     )
+    parts = auto_parts(module_name, source, flags)
     return None if parts is None else parts[0]
 
 
-def auto_parts(
-    module_name: str, source: str, **flags: object
-) -> tuple[tuple[Contract, ...], dict[str, str]] | None:
+def auto_parts(module_name: str, source: str, flags: AutoFlags) -> tuple[tuple[Contract, ...], dict[str, str]] | None:
     """:func:`auto_contracts` plus the boundary class of each pattern whose slot holds several
     classes (a layer's ``mlp`` that is a dense MLP in some layers and an MoE block in others)."""
     if not _MODULE.match(module_name):
@@ -87,7 +86,7 @@ def auto_parts(
         return None
     rules = [r for name, plan in config_plans for r in _base_rules(facts, name, plan)]
     rules += _head_rules(facts)
-    builder = _Builder(facts, **flags)  # type: ignore[arg-type]
+    builder = _Builder(facts, flags)
     return builder.build(rules), dict(builder.classes)
 
 
@@ -153,9 +152,10 @@ def _prefix_to(facts: ModuleFacts, base: str) -> str:
 
 
 def _paths(facts: ModuleFacts, top: str, target: str, depth: int = 3) -> list[list[str]]:
-    out, frontier = [], [(top, [])]
+    out: list[tuple[str, list[str]]] = []
+    frontier: list[tuple[str, list[str]]] = [(top, [])]
     for _ in range(depth):
-        nxt = []
+        nxt: list[tuple[str, list[str]]] = []
         for cls, path in frontier:
             for attr, refs in facts.children(cls).items():
                 for ref in refs:
@@ -175,17 +175,14 @@ def _head_rules(facts: ModuleFacts) -> list[_Rule]:
 
 
 class _Builder:
-    def __init__(
-        self, facts: ModuleFacts, tp: int = 2, sequence_parallel: bool = False, loss_parallel: bool = False,
-        vocab_parallel_embedding: bool = True,
-    ) -> None:
-        self.vocab_embedding = vocab_parallel_embedding
+    def __init__(self, facts: ModuleFacts, flags: AutoFlags) -> None:
+        self.vocab_embedding = flags.vocab_parallel_embedding
         self.classes: dict[str, str] = {}  # pattern -> class, where its slot holds several classes
         self.moe: set[tuple[str, str]] = set()  # (base, key) of moe_tp_experts modules
         self.facts = facts
-        self.mesh = {"tp": tp}
-        self.sp = sequence_parallel
-        self.loss_parallel = loss_parallel
+        self.mesh = {"tp": flags.tp}
+        self.sp = flags.sequence_parallel
+        self.loss_parallel = flags.loss_parallel
         self.bodies: dict[str, tuple[dict, str]] = {}
 
     def build(self, rules: list[_Rule]) -> tuple[Contract, ...]:
@@ -331,7 +328,7 @@ class _Builder:
     def _child(self, rule: _Rule, parent: str, body: dict) -> None:
         rel = rule.key[len(parent) + 1 :] if parent else rule.key
         is_module = bool(self.facts.resolve(rule.base, rule.key))
-        params, style = body["params"], rule.style
+        params, style = body["params"], str(rule.style)
         if style == "replicated_with_grad_allreduce":
             body["grad_sum_params"].append(f"{rel}.*" if is_module else rel)
         elif not is_module:

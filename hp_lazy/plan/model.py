@@ -1,4 +1,4 @@
-"""The plan as data: frozen dataclasses, built and validated by :mod:`hp_lazy.plan.parse`.
+"""The plan's parts as data: frozen dataclasses, validated by :mod:`hp_lazy.plan.parse`.
 
 Vocabulary (DESIGN.md section 2): a *contract* says, for every module whose FQN matches
 ``pattern``, how each forward input and output is placed on each mesh axis before (``src``) and
@@ -16,16 +16,16 @@ function call: context parallel) or a *region* that replaces the module's comput
 
 from __future__ import annotations
 
-import os
+import hashlib
+import json
 import sys
-from dataclasses import dataclass, field
-from functools import cached_property
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
 from types import MappingProxyType
-from typing import Any, Literal, Mapping
+from typing import Any, Literal
 
 from hp_lazy.errors import PlanError
-from hp_lazy.plan.fqn import matches
-from hp_lazy.plan.placement import Placement
+from hp_lazy.plan.placement import REPLICATE, Placement
 
 AxisPlacements = Mapping[str, Placement]
 """Mesh axis -> placement; an axis that is absent means ``R``."""
@@ -41,6 +41,15 @@ INNER_KINDS: Mapping[str, str] = MappingProxyType(
 REGION_KINDS: Mapping[str, str] = MappingProxyType({"ep_dispatch": "expert parallel"})
 IMPLEMENTED: frozenset[str] = frozenset()
 """Inner-op and region kinds hp_lazy lowers and runs. CP/EP work adds its kinds here."""
+
+
+def canonical_json(data: object) -> str:
+    """Sorted keys, no whitespace: the text every hash in hp_lazy is taken over."""
+    return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+
+
+def sha256_json(data: object) -> str:
+    return hashlib.sha256(canonical_json(data).encode()).hexdigest()
 
 
 def one_of(where: str, what: str, value: object, allowed: Mapping[str, str] | tuple[str, ...]) -> str:
@@ -80,7 +89,6 @@ class Region:
         return {"kind": self.kind}
 
 
-
 def _frozen(mapping: Mapping | None) -> Mapping:
     return MappingProxyType(dict(mapping or {}))
 
@@ -88,7 +96,7 @@ def _frozen(mapping: Mapping | None) -> Mapping:
 @dataclass(frozen=True, kw_only=True)
 class Contract:
     """One boundary rule: ``pattern`` is an FQN glob relative to the top-level model
-    (``"model.layers.*.self_attn"``, ``"lm_head"``)."""
+    (``"model.layers.*.self_attn"``, ``"lm_head"``; :mod:`hp_lazy.plan.fqn`)."""
 
     pattern: str
     in_src: Mapping[str, AxisPlacements] = field(default_factory=dict)
@@ -115,15 +123,25 @@ class Contract:
 
     def placement(self, side: str, name: str, axis: str) -> Placement:
         """``side`` in in_src/in_dst/out_src/out_dst/params; a missing entry or axis is ``R``."""
-        from hp_lazy.plan.placement import REPLICATE
-
         return getattr(self, side).get(name, {}).get(axis, REPLICATE)
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON body of this contract (no pattern), placements as strings, empty fields left out."""
-        from hp_lazy.plan.parse import contract_to_dict
-
-        return contract_to_dict(self)
+        out: dict[str, Any] = {}
+        for side in ("in_src", "in_dst", "out_src", "out_dst", "params"):
+            value = getattr(self, side)
+            if value:
+                out[side] = {name: {axis: str(p) for axis, p in axes.items()} for name, axes in value.items()}
+        for name in ("deferred_bias_params", "grad_sum_params"):
+            if getattr(self, name):
+                out[name] = list(getattr(self, name))
+        if self.skip_source_lowering:
+            out["skip_source_lowering"] = True
+        if self.inner is not None:
+            out["inner"] = self.inner.to_dict()
+        if self.region is not None:
+            out["region"] = self.region.to_dict()
+        return out
 
 
 def check_implemented(where: str, contract: Contract) -> None:
@@ -142,91 +160,19 @@ def _version() -> str:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Plan:
-    """A validated, normalised plan. Build it with ``Plan.from_dict``/``from_json``/``auto``."""
+class AutoFlags:
+    """``Plan.auto(...)``'s options; the contracts of each transformers module are derived from
+    its config's TP plan when it is imported."""
 
-    version: int = 1
-    mesh: Mapping[str, int] = field(default_factory=dict)
-    modules: tuple[str, ...] = ()
-    """Module names or globs (:mod:`hp_lazy.plan.fqn`) whose import is lowered."""
-    boundaries: tuple[Contract, ...] = ()
-    boundary_classes: Mapping[str, str] = field(default_factory=dict)
-    auto: Mapping[str, object] | None = None
-    """Set for ``Plan.auto``: ``{"tp": 2, "sequence_parallel": False, "loss_parallel": False}``;
-    the contracts of each transformers module are derived when it is imported."""
+    tp: int = 2
+    sequence_parallel: bool = False
+    loss_parallel: bool = False
+    """Keep the logits vocab-sharded and compute the loss from the shards."""
+    vocab_parallel_embedding: bool = True
+    """False: keep ``embed_tokens`` replicated (not possible when tied to a sharded lm_head)."""
 
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "Plan":
-        """Validate and normalise JSON data (DESIGN.md section 2); raises ``PlanError``."""
-        from hp_lazy.plan.parse import plan_from_dict
-
-        return plan_from_dict(data)
-
-    @classmethod
-    def from_json(cls, path_or_text: "str | os.PathLike[str]") -> "Plan":
-        """JSON text (starting with ``{``) or the path of a JSON file."""
-        from hp_lazy.plan.parse import plan_from_json
-
-        return plan_from_json(path_or_text)
-
-    def to_dict(self) -> dict[str, Any]:
-        from hp_lazy.plan.parse import plan_to_dict
-
-        return plan_to_dict(self)
-
-    def to_json(self, indent: int | None = None) -> str:
-        """Canonical JSON (sorted keys, no whitespace) unless ``indent`` is given."""
-        import json
-
-        from hp_lazy.plan.parse import canonical_json
-
-        data = self.to_dict()
-        return canonical_json(data) if indent is None else json.dumps(data, sort_keys=True, indent=indent)
-
-    @cached_property
-    def hash(self) -> str:
-        """Hex sha256 of the canonical JSON of the normalised plan."""
-        from hp_lazy.plan.parse import sha256_json
-
-        return sha256_json(self.to_dict())
-
-    def targets(self, module_name: str) -> bool:
-        """Whether importing ``module_name`` is lowered: a name check against ``modules``, no I/O."""
-        return any(matches(m, module_name) for m in self.modules)
-
-    def slice(self, module_name: str, source: str) -> "ModulePlan | None":
-        """The part of the plan that applies to one module's source; None if it targets nothing there."""
-        from hp_lazy.plan.slice import slice_plan
-
-        return slice_plan(self, module_name, source)
-
-
-def _auto_plan(
-    tp: int = 2, sequence_parallel: bool = False, loss_parallel: bool = False, vocab_parallel_embedding: bool = True
-) -> Plan:
-    """``Plan.auto(tp=2)``: contracts derived from transformers' own ``base_model_tp_plan`` (and the
-    model classes' ``_tp_plan``) when each ``transformers.models.<x>.modeling_<x>`` is imported.
-
-    ``loss_parallel``: keep the logits vocab-sharded and compute the loss from the shards.
-    ``vocab_parallel_embedding=False``: keep ``embed_tokens`` replicated (one all-reduce less per
-    forward, the embedding's memory on every rank); not possible when it is tied to a sharded lm_head.
-    """
-    from hp_lazy.plan.parse import plan_from_dict
-
-    flags = {"tp": tp, "sequence_parallel": sequence_parallel, "loss_parallel": loss_parallel,
-             "vocab_parallel_embedding": vocab_parallel_embedding}
-    return plan_from_dict({"version": 1, "mesh": {"tp": tp}, "auto": flags})
-
-
-class _AutoAttribute:
-    """``Plan.auto(...)`` on the class is the factory; ``plan.auto`` on an instance is the field
-    (the instance's ``__dict__`` entry wins over this non-data descriptor)."""
-
-    def __get__(self, obj: object, owner: type) -> Any:
-        return _auto_plan if obj is None else obj.__dict__["auto"]
-
-
-Plan.auto = _AutoAttribute()  # type: ignore[assignment,misc]
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,18 +1,18 @@
-"""Plan JSON <-> :class:`~hp_lazy.plan.model.Plan`: strict validation, normalisation, hashing.
+"""Plan JSON -> validated, normalised parts of a :class:`~hp_lazy.plan.Plan` (strict).
 
 The JSON format is DESIGN.md section 2. Every error is a :class:`PlanError` whose text starts with
 where the value sits (``plan.boundaries['model.layers.*.self_attn'].in_src['x']``), then the value,
-the rule it breaks and the fix.
+the rule it breaks and the fix. :func:`plan_fields` returns the fields ``Plan`` is built from, so
+this module needs nothing above :mod:`hp_lazy.plan.model`.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
 from collections.abc import Mapping
-from typing import Any, cast
+from typing import Any, TypedDict, cast
 
 from hp_lazy.errors import PlanError
 from hp_lazy.plan.fqn import check_glob, is_glob
@@ -20,11 +20,11 @@ from hp_lazy.plan.model import (
     INNER_CALLS,
     INNER_KINDS,
     REGION_KINDS,
+    AutoFlags,
     Contract,
     InnerCall,
     InnerKind,
     InnerOp,
-    Plan,
     Region,
     RegionKind,
     check_implemented,
@@ -41,17 +41,20 @@ CONTRACT_KEYS = (
 INNER_KEYS = ("call", "kind")
 REGION_KEYS = ("kind",)
 AUTO_KEYS = ("tp", "sequence_parallel", "loss_parallel", "vocab_parallel_embedding")
+AUTO_MODULES = ("transformers.models.*.modeling_*",)
 RESERVED_PREFIXES = ("_hp_", "__hp_")
 _PATTERN_SEGMENT = re.compile(r"^[\w*?\[\]!-]+$")
 
 
-def canonical_json(data: object) -> str:
-    """Sorted keys, no whitespace: the text every hash in hp_lazy is taken over."""
-    return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+class PlanFields(TypedDict):
+    """The keyword arguments of ``Plan(...)``, validated."""
 
-
-def sha256_json(data: object) -> str:
-    return hashlib.sha256(canonical_json(data).encode()).hexdigest()
+    version: int
+    mesh: dict[str, int]
+    modules: tuple[str, ...]
+    boundaries: tuple[Contract, ...]
+    boundary_classes: dict[str, str]
+    auto_flags: AutoFlags | None
 
 
 def _check_keys(where: str, data: object, allowed: tuple[str, ...]) -> Mapping[str, Any]:
@@ -188,26 +191,6 @@ def contract_from_dict(pattern: str, data: object, mesh: Mapping[str, int]) -> C
     return contract
 
 
-def contract_to_dict(contract: Contract) -> dict[str, Any]:
-    """The JSON body of a contract (without its pattern); empty fields are left out."""
-    out: dict[str, Any] = {}
-    for side in PLACEMENT_SIDES:
-        value = getattr(contract, side)
-        if value:
-            out[side] = {name: {axis: str(p) for axis, p in axes.items()} for name, axes in value.items()}
-    if contract.deferred_bias_params:
-        out["deferred_bias_params"] = list(contract.deferred_bias_params)
-    if contract.grad_sum_params:
-        out["grad_sum_params"] = list(contract.grad_sum_params)
-    if contract.skip_source_lowering:
-        out["skip_source_lowering"] = True
-    if contract.inner is not None:
-        out["inner"] = contract.inner.to_dict()
-    if contract.region is not None:
-        out["region"] = contract.region.to_dict()
-    return out
-
-
 def _parse_modules(data: object) -> tuple[str, ...]:
     if not isinstance(data, (list, tuple)) or not data:
         raise PlanError(
@@ -239,7 +222,7 @@ def _parse_classes(data: object, patterns: set[str]) -> dict[str, str]:
     return dict(data)
 
 
-def parse_auto(data: object) -> dict[str, object]:
+def parse_auto(data: object) -> AutoFlags:
     body = _check_keys("plan.auto", data, AUTO_KEYS)
     tp = body.get("tp", 2)
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
@@ -249,7 +232,7 @@ def parse_auto(data: object) -> dict[str, object]:
         flags[name] = body.get(name, default)
         if not isinstance(flags[name], bool):
             raise PlanError(f"plan.auto.{name}: {flags[name]!r} is not true/false; fix the plan")
-    return {"tp": tp, **flags}
+    return AutoFlags(tp=tp, **flags)
 
 
 def _refuse_injections(body: Mapping[str, Any]) -> None:
@@ -262,8 +245,8 @@ def _refuse_injections(body: Mapping[str, Any]) -> None:
         )
 
 
-def plan_from_dict(data: object) -> Plan:
-    """Validate and normalise a plan given as JSON data."""
+def plan_fields(data: object) -> PlanFields:
+    """Validate and normalise a plan given as JSON data: the fields of ``Plan(...)``."""
     if isinstance(data, Mapping):
         _refuse_injections(data)
     body = _check_keys("plan", data, TOP_KEYS)
@@ -271,10 +254,10 @@ def plan_from_dict(data: object) -> Plan:
     if version != 1 or isinstance(version, bool):
         raise PlanError(f"plan.version: {version!r} is not a supported version; use 1")
     auto = parse_auto(body["auto"]) if "auto" in body else None
-    mesh = _parse_mesh(body["mesh"] if "mesh" in body else ({"tp": auto["tp"]} if auto else None))
-    if auto is not None and mesh.get("tp") != auto["tp"]:
-        raise PlanError(f"plan.mesh: tp={mesh.get('tp')!r} differs from plan.auto.tp={auto['tp']}; make them equal")
-    modules = _parse_modules(body.get("modules", ["transformers.models.*.modeling_*"] if auto else None))
+    mesh = _parse_mesh(body.get("mesh", {"tp": auto.tp} if auto else None))
+    if auto is not None and mesh.get("tp") != auto.tp:
+        raise PlanError(f"plan.mesh: tp={mesh.get('tp')!r} differs from plan.auto.tp={auto.tp}; make them equal")
+    modules = _parse_modules(body.get("modules", list(AUTO_MODULES) if auto else None))
     raw = body.get("boundaries", {})
     if not isinstance(raw, Mapping):
         raise PlanError(f"plan.boundaries: {raw!r} is not an object of pattern -> contract; fix the plan")
@@ -282,33 +265,13 @@ def plan_from_dict(data: object) -> Plan:
     if not boundaries and auto is None:
         raise PlanError("plan.boundaries: the plan has no boundary; add at least one, or use Plan.auto()")
     classes = _parse_classes(body.get("boundary_classes", {}), set(raw))
-    return Plan(
-        version=1,
-        mesh=mesh,
-        modules=modules,
-        boundaries=boundaries,
-        boundary_classes=classes,
-        auto=auto,
+    return PlanFields(
+        version=1, mesh=mesh, modules=modules, boundaries=boundaries, boundary_classes=classes, auto_flags=auto
     )
 
 
-def plan_to_dict(plan: Plan) -> dict[str, Any]:
-    """The normalised JSON data of a plan; ``plan_from_dict(plan_to_dict(p)) == p``."""
-    out: dict[str, Any] = {
-        "version": plan.version,
-        "mesh": dict(plan.mesh),
-        "modules": list(plan.modules),
-        "boundaries": {c.pattern: contract_to_dict(c) for c in plan.boundaries},
-    }
-    if plan.boundary_classes:
-        out["boundary_classes"] = dict(plan.boundary_classes)
-    if plan.auto is not None:
-        out["auto"] = dict(plan.auto)
-    return out
-
-
-def plan_from_json(path_or_text: str | os.PathLike[str]) -> Plan:
-    """``path_or_text`` is JSON text (starts with ``{``) or a path to a JSON file."""
+def read_json(path_or_text: str | os.PathLike[str]) -> object:
+    """``path_or_text`` is JSON text (starts with ``{``) or a path to a JSON file: its data."""
     text = str(path_or_text) if isinstance(path_or_text, (str, os.PathLike)) else None
     if text is None:
         raise PlanError(f"plan: {path_or_text!r} is neither JSON text nor a path; pass a str or a Path")
@@ -319,7 +282,6 @@ def plan_from_json(path_or_text: str | os.PathLike[str]) -> Plan:
         except OSError as exc:
             raise PlanError(f"plan: cannot read plan file {str(path_or_text)!r} ({exc}); check the path") from exc
     try:
-        data = json.loads(text)
+        return json.loads(text)
     except json.JSONDecodeError as exc:
         raise PlanError(f"plan: invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}; fix the file") from exc
-    return plan_from_dict(data)

@@ -7,12 +7,32 @@ in a transformers module, every class deriving from the module's ``PreTrainedMod
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 from hp_lazy.errors import PlanError
-from hp_lazy.plan.model import Contract, ModulePlan, Plan
-from hp_lazy.plan.parse import sha256_json
+from hp_lazy.plan.auto import auto_parts
+from hp_lazy.plan.model import AutoFlags, Contract, ModulePlan, sha256_json
 from hp_lazy.plan.resolve import ModuleFacts, analyze, resolve_pattern
+
+
+class PlanSource(Protocol):
+    """What slicing reads of a plan (:class:`hp_lazy.plan.Plan` has it all)."""
+
+    @property
+    def hash(self) -> str: ...
+    @property
+    def mesh(self) -> Mapping[str, int]: ...
+    @property
+    def modules(self) -> tuple[str, ...]: ...
+    @property
+    def boundaries(self) -> tuple[Contract, ...]: ...
+    @property
+    def boundary_classes(self) -> Mapping[str, str]: ...
+    @property
+    def auto_flags(self) -> AutoFlags | None: ...
+    def targets(self, module_name: str) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -23,14 +43,12 @@ class _Applied:
     starts: frozenset[str]
 
 
-def slice_plan(plan: Plan, module: str, source: str) -> ModulePlan | None:
+def slice_plan(plan: PlanSource, module: str, source: str) -> ModulePlan | None:
     """None when the plan does not target ``module`` or nothing of it applies there."""
     if not plan.targets(module):
         return None
-    if plan.auto is not None:
-        from hp_lazy.plan.auto import auto_parts
-
-        parts = auto_parts(module, source, **plan.auto)
+    if plan.auto_flags is not None:
+        parts = auto_parts(module, source, plan.auto_flags)
         if parts is None:
             return None
         (contracts, overrides), strict = parts, True

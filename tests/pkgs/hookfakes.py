@@ -45,7 +45,7 @@ class FakeModulePlan:
 class FakePlan:
     modules: tuple[str, ...]
     hash: str = "fakeplan0"
-    auto: Any = None
+    auto_flags: Any = None
     extra: dict[str, str] = field(default_factory=dict)
 
     def slice(self, module_name: str, source: str) -> FakeModulePlan | None:
