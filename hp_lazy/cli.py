@@ -18,9 +18,10 @@ import ast
 import difflib
 import importlib.util
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any
 
 from hp_lazy.errors import HpLazyError, PlanError
 
@@ -156,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["demo"]:  # everything after 'demo' belongs to the demo, --help included
         return cmd_demo(argparse.Namespace(rest=argv[1:]))
@@ -167,5 +168,5 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except BrokenPipeError:  # `python -m hp_lazy show ... | head`
-        sys.stdout = None  # type: ignore[assignment]  (nothing more to flush at exit)
+        sys.stdout = None  # type: ignore[assignment]  # nothing more to flush at exit
         return 0

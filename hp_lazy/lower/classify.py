@@ -15,8 +15,9 @@ that every ``return`` has. The op of each transition comes from
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal, Mapping
+from typing import Literal
 
 from hp_lazy.errors import PlanError
 from hp_lazy.lower.facts import ForwardFacts

@@ -49,7 +49,8 @@ def relocate(nodes: list[ast.stmt], ref: ast.AST) -> list[ast.stmt]:
 
 def call_args(facts: ForwardFacts) -> str:
     """Re-pass every parameter: positionally where it must or has no default, by name otherwise."""
-    pos, kw = [], []
+    pos: list[str] = []
+    kw: list[str] = []
     for p in facts.params:
         by_name = p.kind == "keyword_only" or (p.kind == "positional" and p.has_default and not facts.vararg)
         (kw if by_name else pos).append(f"{p.name}={p.name}" if by_name else p.name)
@@ -87,13 +88,18 @@ def _base(pos: int, layout: str) -> str:
     return "_hp_out" if layout == "single" else f"_hp_out[{pos}]"
 
 
+def _position(op: BoundOp) -> int:
+    """The tuple position of an exit op (set on every output op)."""
+    return op.position or 0
+
+
 def static_exit(spec: ForwardSpec) -> list[str]:
     layout = spec.facts.output_layout()[0]
-    ops = spec.decision.out_ops
     notes = _exit_notes(spec)
     exprs: dict[int, str] = {}
-    for op in ops:
-        exprs[op.position] = _op_call(exprs.get(op.position, _base(op.position, layout)), op)  # type: ignore[index]
+    for op in spec.decision.out_ops:
+        pos = _position(op)
+        exprs[pos] = _op_call(exprs.get(pos, _base(pos, layout)), op)
     if spec.deferred_bias:
         exprs[0] = f"{RT}.add_deferred_bias({exprs.get(0, _base(0, layout))}, _hp_b)"
     return [*map(repr, notes), f"_hp_out = {_rebuild(exprs, layout)}"]
@@ -181,7 +187,9 @@ def class_attributes(form: str, qualname: str, ref: ast.AST) -> list[ast.stmt]:
 def synthesised_impl(ref: ast.AST) -> ast.FunctionDef:
     """``_forward_impl`` of a class whose forward lives in another module."""
     text = f"def {IMPL_NAME}(self, *args, **kwargs):\n    return super().forward(*args, **kwargs)"
-    return relocate(parse_stmts(text), ref)[0]  # type: ignore[return-value]
+    (node,) = relocate(parse_stmts(text), ref)
+    assert isinstance(node, ast.FunctionDef)
+    return node
 
 
 def runtime_import(ref: ast.AST | None) -> ast.stmt:

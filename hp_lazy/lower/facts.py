@@ -8,8 +8,9 @@ imports, top-level classes and where each one's ``forward`` comes from). Neither
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator, Literal
+from typing import Literal
 
 from hp_lazy.errors import LoweringError
 
@@ -78,17 +79,23 @@ class _ReturnVisitor(ast.NodeVisitor):
         self.returns: list[ReturnShape] = []
         self.generator = False
 
-    def visit_FunctionDef(self, node: ast.FunctionDef) -> None:  # nested scope: skip
-        return None
+    def visit_FunctionDef(self, node: ast.FunctionDef) -> None:  # nested scopes are not entered
+        pass
 
-    visit_AsyncFunctionDef = visit_FunctionDef  # type: ignore[assignment]
-    visit_Lambda = visit_FunctionDef  # type: ignore[assignment]
-    visit_ClassDef = visit_FunctionDef  # type: ignore[assignment]
+    def visit_AsyncFunctionDef(self, node: ast.AsyncFunctionDef) -> None:
+        pass
+
+    def visit_Lambda(self, node: ast.Lambda) -> None:
+        pass
+
+    def visit_ClassDef(self, node: ast.ClassDef) -> None:
+        pass
 
     def visit_Yield(self, node: ast.Yield) -> None:
         self.generator = True
 
-    visit_YieldFrom = visit_Yield  # type: ignore[assignment]
+    def visit_YieldFrom(self, node: ast.YieldFrom) -> None:
+        self.generator = True
 
     def visit_Return(self, node: ast.Return) -> None:
         self.returns.append(_shape(node.value, node.lineno))
@@ -224,13 +231,14 @@ def _c3(name: str, bases: dict[str, tuple[str, ...]], local: dict[str, tuple[str
     return out
 
 
-def _copy_blocker(fn: ast.AST) -> str | None:
-    for node in ast.walk(fn):
+def _copy_blocker(cls: ast.ClassDef) -> str | None:
+    """Why the ``forward`` of ``cls`` cannot be copied into a subclass (None: it can)."""
+    fn = find_forward(cls)
+    for node in ast.walk(fn) if fn is not None else ():
         if isinstance(node, ast.Name) and node.id in ("super", "__class__"):
             return f"it uses {node.id!r} (line {node.lineno})"
-        name = node.attr if isinstance(node, ast.Attribute) else None
-        if name and name.startswith("__") and not name.endswith("__"):
-            return f"it uses the private name {name!r} (line {node.lineno})"
+        if isinstance(node, ast.Attribute) and node.attr.startswith("__") and not node.attr.endswith("__"):
+            return f"it uses the private name {node.attr!r} (line {node.lineno})"
     return None
 
 
@@ -250,7 +258,7 @@ def _class_facts(tree: ast.Module) -> tuple[ClassFacts, ...]:
                 break
         blocker = None
         if owner is not None and owner != name:
-            blocker = _copy_blocker(find_forward(nodes[owner][1]))  # type: ignore[arg-type]
+            blocker = _copy_blocker(nodes[owner][1])
         out.append(
             ClassFacts(
                 name=name,
@@ -305,8 +313,8 @@ def module_facts(tree: ast.Module, module: str) -> ModuleFacts:
     docstring = ast.get_docstring(tree, clean=False)
     at = 1 if docstring is not None else 0
     futures: list[str] = []
-    while at < len(body) and isinstance(body[at], ast.ImportFrom) and body[at].module == "__future__":
-        futures += [a.name for a in body[at].names]  # type: ignore[attr-defined]
+    while at < len(body) and isinstance(stmt := body[at], ast.ImportFrom) and stmt.module == "__future__":
+        futures += [a.name for a in stmt.names]
         at += 1
     return ModuleFacts(
         module=module,

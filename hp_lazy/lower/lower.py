@@ -27,6 +27,7 @@ from hp_lazy.lower.facts import (
 from hp_lazy.plan.model import Contract, ModulePlan
 
 _FnDef = ast.FunctionDef
+_AnyFnDef = ast.FunctionDef | ast.AsyncFunctionDef
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,11 +58,11 @@ def lower(source: str, module_plan: ModulePlan, filename: str = "<unknown>") -> 
         return tree
     after: list[tuple[int, ast.stmt]] = []
     for cls in mod.classes:
-        node: ast.ClassDef = tree.body[cls.index]  # type: ignore[assignment]
+        node = _class_node(tree, cls)
         if cls.name in targets:
             _lower_class(node, targets[cls.name], module_plan.module)
-        elif cls.name in module_plan.roots and cls.defines_forward:
-            _add_prologue(find_forward(node))  # type: ignore[arg-type]
+        elif cls.name in module_plan.roots and (fn := find_forward(node)) is not None:
+            _add_prologue(fn)
         elif cls.name in module_plan.roots:
             after.append((cls.index, emit.install_root(cls.name, node)))
     for index, stmt in sorted(after, key=lambda p: -p[0]):
@@ -77,10 +78,16 @@ def boundary_decisions(source: str, module_plan: ModulePlan) -> dict[str, tuple[
     mod = module_facts(tree, module_plan.module)
     originals = _original_forwards(tree, mod)
     out = {}
-    for name, contracts in _class_contracts(module_plan, mod).items():
-        facts = _forward_source(tree, mod.cls(name), module_plan.module, originals).facts  # type: ignore[arg-type]
-        out.update({c.pattern: (name, _decide(c, facts, module_plan)) for c in contracts})
+    for cls, contracts in _class_contracts(module_plan, mod):
+        facts = _forward_source(tree, cls, module_plan.module, originals).facts
+        out.update({c.pattern: (cls.name, classify(c, facts, module_plan.mesh)) for c in contracts})
     return dict(sorted(out.items()))
+
+
+def _class_node(tree: ast.Module, cls: ClassFacts) -> ast.ClassDef:
+    node = tree.body[cls.index]
+    assert isinstance(node, ast.ClassDef), (cls.name, cls.index)
+    return node
 
 
 def _check_roots(plan: ModulePlan, mod: ModuleFacts) -> None:
@@ -92,7 +99,8 @@ def _check_roots(plan: ModulePlan, mod: ModuleFacts) -> None:
             )
 
 
-def _class_contracts(plan: ModulePlan, mod: ModuleFacts) -> dict[str, list[Contract]]:
+def _class_contracts(plan: ModulePlan, mod: ModuleFacts) -> list[tuple[ClassFacts, list[Contract]]]:
+    """Each class this module's source lowers, with the contracts that land on it."""
     by_pattern = {c.pattern: c for c in plan.contracts}
     out: dict[str, list[Contract]] = {}
     for pattern, cls in sorted(plan.classes.items()):
@@ -109,17 +117,18 @@ def _class_contracts(plan: ModulePlan, mod: ModuleFacts) -> dict[str, list[Contr
             )
         if not by_pattern[pattern].skip_source_lowering:
             out.setdefault(cls, []).append(by_pattern[pattern])
-    return out
+    return [(c, out[c.name]) for c in mod.classes if c.name in out]
 
 
 def _targets(
-    plan: ModulePlan, mod: ModuleFacts, tree: ast.Module, originals: dict[str, _FnDef]
+    plan: ModulePlan, mod: ModuleFacts, tree: ast.Module, originals: dict[str, _AnyFnDef]
 ) -> dict[str, _Target]:
     """Classes to rewrite, with their one form decision (identity classes are left out)."""
     out = {}
-    for name, contracts in _class_contracts(plan, mod).items():
-        source = _forward_source(tree, mod.cls(name), plan.module, originals)  # type: ignore[arg-type]
-        decisions = [(c, _decide(c, source.facts, plan)) for c in sorted(contracts, key=lambda c: c.pattern)]
+    for cls, contracts in _class_contracts(plan, mod):
+        name = cls.name
+        source = _forward_source(tree, cls, plan.module, originals)
+        decisions = [(c, classify(c, source.facts, plan.mesh)) for c in sorted(contracts, key=lambda c: c.pattern)]
         first, decision = decisions[0]
         for other, d in decisions[1:]:
             if _key(d, other) != _key(decision, first):
@@ -135,18 +144,15 @@ def _targets(
     return out
 
 
-def _decide(contract: Contract, facts: ForwardFacts, plan: ModulePlan) -> FormDecision:
-    return classify(contract, facts, plan.mesh)
-
-
-def _forward_source(tree: ast.Module, cls: ClassFacts, module: str, originals: dict[str, _FnDef]) -> _Source:
-    node = tree.body[cls.index]
+def _forward_source(tree: ast.Module, cls: ClassFacts, module: str, originals: dict[str, _AnyFnDef]) -> _Source:
+    node = _class_node(tree, cls)
     if cls.defines_impl:
         raise LoweringError(
             f"{module}: class {cls.name} already defines {IMPL_NAME!r}, the name hp_lazy gives the original "
             "forward; rename it in the source or mark the contract skip_source_lowering"
         )
-    own = find_forward(node)  # type: ignore[arg-type]
+    own = find_forward(node)
+    impl: _AnyFnDef
     if own is not None:
         impl, synthesised = own, False
     elif cls.forward_owner is not None and cls.copy_blocker is None:
@@ -158,18 +164,18 @@ def _forward_source(tree: ast.Module, cls: ClassFacts, module: str, originals: d
             f"{module}: {cls.name}.forward (line {impl.lineno}) is async or a generator; hp_lazy cannot place "
             "its outputs; mark the contract skip_source_lowering"
         )
-    return _Source(impl, forward_facts(impl, owner=cls.name), own is not None, synthesised)  # type: ignore[arg-type]
+    return _Source(impl, forward_facts(impl, owner=cls.name), own is not None, synthesised)
 
 
 def _key(decision: FormDecision, contract: Contract) -> tuple:
     return decision.form, decision.in_ops, decision.out_ops, bool(contract.deferred_bias_params)
 
 
-def _original_forwards(tree: ast.Module, mod: ModuleFacts) -> dict[str, _FnDef]:
+def _original_forwards(tree: ast.Module, mod: ModuleFacts) -> dict[str, _AnyFnDef]:
     """Deep copies of every class's own forward, taken before anything is rewritten."""
     out = {}
     for cls in mod.classes:
-        fn = find_forward(tree.body[cls.index])  # type: ignore[arg-type]
+        fn = find_forward(_class_node(tree, cls))
         if fn is not None:
             out[cls.name] = copy.deepcopy(fn)
     return out
@@ -189,11 +195,11 @@ def _lower_class(node: ast.ClassDef, target: _Target, module: str) -> None:
     node.body[_after_docstring(node) : _after_docstring(node)] = attrs
 
 
-def _after_docstring(node: ast.ClassDef | _FnDef) -> int:
+def _after_docstring(node: ast.ClassDef | _AnyFnDef) -> int:
     return 1 if ast.get_docstring(node, clean=False) is not None else 0
 
 
-def _add_prologue(fn: _FnDef) -> None:
+def _add_prologue(fn: _AnyFnDef) -> None:
     self_name = (fn.args.posonlyargs or fn.args.args)[0].arg
     fn.body.insert(_after_docstring(fn), emit.prologue(self_name, fn))
 
