@@ -310,6 +310,56 @@ def test_qwen3_moe_keeps_strings_transformers_greps_for_and_refuses_a_region() -
         lower(source, replace(module_plan, contracts=(region,)), filename="qwen3_moe.py")
 
 
+# ---------------------------------------------------------------- one parse per import
+
+
+INHERITING = SIMPLE + textwrap.dedent(
+    """
+
+    class Sub(Block):
+        pass
+
+
+    class Top:
+        def forward(self, x):
+            return x
+
+
+    class Child(Top):
+        pass
+    """
+)
+
+
+def test_lowering_leaves_the_shared_parse_as_parsed() -> None:
+    from hp_lazy.plan.source import parse_source
+
+    before = ast.dump(parse_source(INHERITING), include_attributes=True)
+    module_plan = plan({"b": "Block", "s": "Sub"}, (attn_contract("b"), attn_contract("s")), roots=("Top", "Child"))
+    first = ast.unparse(lower(INHERITING, module_plan))
+    assert ast.dump(parse_source(INHERITING), include_attributes=True) == before
+    assert ast.unparse(lower(INHERITING, module_plan)) == first
+    assert first.count("def _forward_impl") == 2 and "__hp_rt__.install_root(Child)" in first
+    assert "def forward(self, x):\n        __hp_rt__.ensure_parallel(self)\n        return x" in first
+
+
+def test_slice_and_lower_parse_the_source_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    import uuid
+
+    from hp_lazy.plan import Plan
+    from hp_lazy.plan import source as source_mod
+
+    calls: list[str] = []
+    real_parse = ast.parse
+    monkeypatch.setattr(source_mod.ast, "parse", lambda text, *a, **k: calls.append(text) or real_parse(text, *a, **k))
+    text = SIMPLE + f"\n# {uuid.uuid4()}\n"
+    raw = {"mesh": {"tp": 2}, "modules": ["pkg.mod"], "boundaries": {"b": {"params": {"w": {"tp": "S(1)"}},
+           "in_src": {"hidden_states": {"tp": "R"}}}}, "boundary_classes": {"b": "Block"}}
+    module_plan = Plan.from_dict(raw).slice("pkg.mod", text)
+    compile(lower(text, module_plan, "simple.py"), "simple.py", "exec")
+    assert calls.count(text) == 1  # (the other parses are the generated fragments)
+
+
 # ---------------------------------------------------------------- import hygiene and lower_source
 
 

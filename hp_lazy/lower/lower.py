@@ -4,6 +4,10 @@ Per lowered class (docs/contract.md): the original ``forward`` becomes ``_forwar
 (same lines, no decorators), a new ``forward`` with the same signature and the decorators follows
 it, and the class gets ``_hp_form`` and ``_hp_b``. Roots get ``ensure_parallel`` (or
 ``install_root`` after the class when their forward is inherited). Nothing else moves.
+
+The source is parsed once per text (:func:`hp_lazy.plan.source.parse_source`, shared with the
+plan slice); the rewrite copies the class and function nodes it changes and shares the rest, so
+the parsed tree stays as parsed and the returned tree is for compiling or printing, not editing.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from hp_lazy.lower.facts import (
     module_facts,
 )
 from hp_lazy.plan.model import Contract, ModulePlan
+from hp_lazy.plan.source import parse_source
 
 _FnDef = ast.FunctionDef
 _AnyFnDef = ast.FunctionDef | ast.AsyncFunctionDef
@@ -50,43 +55,43 @@ class _Target:
 def lower(source: str, module_plan: ModulePlan, filename: str = "<unknown>") -> ast.Module:
     """Rewrite the boundary classes and roots of one module; the parsed source as is when
     nothing applies. Raises ``LoweringError``/``PlanError`` naming the module and the fix."""
-    tree = ast.parse(source, filename=filename)
+    tree = parse_source(source, filename)
     mod = module_facts(tree, module_plan.module)
     _check_roots(module_plan, mod)
-    targets = _targets(module_plan, mod, tree, _original_forwards(tree, mod))
+    targets = _targets(module_plan, mod, tree)
+    out = ast.Module(body=list(tree.body), type_ignores=list(tree.type_ignores))
     if not targets and not module_plan.roots:
-        return tree
+        return out
     after: list[tuple[int, ast.stmt]] = []
     for cls in mod.classes:
         node = _class_node(tree, cls)
         if cls.name in targets:
-            _lower_class(node, targets[cls.name], module_plan.module)
+            out.body[cls.index] = _lowered_class(node, targets[cls.name], module_plan.module)
         elif cls.name in module_plan.roots and (fn := find_forward(node)) is not None:
-            _add_prologue(fn)
+            out.body[cls.index] = _with_prologue(node, fn)
         elif cls.name in module_plan.roots:
             after.append((cls.index, emit.install_root(cls.name, node)))
     for index, stmt in sorted(after, key=lambda p: -p[0]):
-        tree.body.insert(index + 1, stmt)
-    _insert_import(tree, mod)
-    return tree
+        out.body.insert(index + 1, stmt)
+    _insert_import(out, mod)
+    return out
 
 
 def boundary_decisions(source: str, module_plan: ModulePlan) -> dict[str, tuple[str, FormDecision]]:
     """pattern -> (class, decision) for every contract whose class this module's source lowers,
     decided exactly as :func:`lower` does (``hp_lazy check``, the runtime binder)."""
-    tree = ast.parse(source)
+    tree = parse_source(source)
     mod = module_facts(tree, module_plan.module)
-    originals = _original_forwards(tree, mod)
     out = {}
     for cls, contracts in _class_contracts(module_plan, mod):
-        facts = _forward_source(tree, cls, module_plan.module, originals).facts
+        facts = _forward_source(tree, mod, cls, module_plan.module).facts
         out.update({c.pattern: (cls.name, classify(c, facts, module_plan.mesh)) for c in contracts})
     return dict(sorted(out.items()))
 
 
-def _class_node(tree: ast.Module, cls: ClassFacts) -> ast.ClassDef:
-    node = tree.body[cls.index]
-    assert isinstance(node, ast.ClassDef), (cls.name, cls.index)
+def _class_node(tree: ast.Module, cls: ClassFacts | None) -> ast.ClassDef:
+    node = tree.body[cls.index] if cls is not None else None
+    assert isinstance(node, ast.ClassDef), cls
     return node
 
 
@@ -120,14 +125,12 @@ def _class_contracts(plan: ModulePlan, mod: ModuleFacts) -> list[tuple[ClassFact
     return [(c, out[c.name]) for c in mod.classes if c.name in out]
 
 
-def _targets(
-    plan: ModulePlan, mod: ModuleFacts, tree: ast.Module, originals: dict[str, _AnyFnDef]
-) -> dict[str, _Target]:
+def _targets(plan: ModulePlan, mod: ModuleFacts, tree: ast.Module) -> dict[str, _Target]:
     """Classes to rewrite, with their one form decision (identity classes are left out)."""
     out = {}
     for cls, contracts in _class_contracts(plan, mod):
         name = cls.name
-        source = _forward_source(tree, cls, plan.module, originals)
+        source = _forward_source(tree, mod, cls, plan.module)
         decisions = [(c, classify(c, source.facts, plan.mesh)) for c in sorted(contracts, key=lambda c: c.pattern)]
         first, decision = decisions[0]
         for other, d in decisions[1:]:
@@ -144,7 +147,7 @@ def _targets(
     return out
 
 
-def _forward_source(tree: ast.Module, cls: ClassFacts, module: str, originals: dict[str, _AnyFnDef]) -> _Source:
+def _forward_source(tree: ast.Module, mod: ModuleFacts, cls: ClassFacts, module: str) -> _Source:
     node = _class_node(tree, cls)
     if cls.defines_impl:
         raise LoweringError(
@@ -156,7 +159,9 @@ def _forward_source(tree: ast.Module, cls: ClassFacts, module: str, originals: d
     if own is not None:
         impl, synthesised = own, False
     elif cls.forward_owner is not None and cls.copy_blocker is None:
-        impl, synthesised = copy.deepcopy(originals[cls.forward_owner]), False
+        owner = find_forward(_class_node(tree, mod.cls(cls.forward_owner)))
+        assert owner is not None  # forward_owner names a class that defines forward
+        impl, synthesised = copy.deepcopy(owner), False
     else:
         impl, synthesised = emit.synthesised_impl(node), True
     if isinstance(impl, ast.AsyncFunctionDef) or forward_facts(impl).is_generator:
@@ -171,37 +176,43 @@ def _key(decision: FormDecision, contract: Contract) -> tuple:
     return decision.form, decision.in_ops, decision.out_ops, bool(contract.deferred_bias_params)
 
 
-def _original_forwards(tree: ast.Module, mod: ModuleFacts) -> dict[str, _AnyFnDef]:
-    """Deep copies of every class's own forward, taken before anything is rewritten."""
-    out = {}
-    for cls in mod.classes:
-        fn = find_forward(_class_node(tree, cls))
-        if fn is not None:
-            out[cls.name] = copy.deepcopy(fn)
-    return out
-
-
-def _lower_class(node: ast.ClassDef, target: _Target, module: str) -> None:
+def _lowered_class(node: ast.ClassDef, target: _Target, module: str) -> ast.ClassDef:
+    """A copy of ``node`` whose forward is ``_forward_impl`` (renamed, undecorated) followed by
+    the new ``forward``; ``node`` and its original forward are left as they are."""
     source, spec = target.source, target.spec
-    impl = source.impl
-    new = emit.build_forward(impl, spec, impl.decorator_list)
+    new = emit.build_forward(source.impl, spec, source.impl.decorator_list)
+    impl = copy.copy(source.impl) if source.own else source.impl
     impl.name, impl.decorator_list = IMPL_NAME, []
+    cls = _copy_class(node)
     if source.own:
-        at = node.body.index(impl)
-        node.body[at : at + 1] = [impl, new]
+        at = cls.body.index(source.impl)
+        cls.body[at : at + 1] = [impl, new]
     else:
-        node.body += [impl, new]
+        cls.body += [impl, new]
     attrs = emit.class_attributes(spec.decision.form, f"{module}.{node.name}", node)
-    node.body[_after_docstring(node) : _after_docstring(node)] = attrs
+    cls.body[_after_docstring(cls) : _after_docstring(cls)] = attrs
+    return cls
+
+
+def _copy_class(node: ast.ClassDef) -> ast.ClassDef:
+    cls = copy.copy(node)
+    cls.body = list(node.body)
+    return cls
 
 
 def _after_docstring(node: ast.ClassDef | _AnyFnDef) -> int:
     return 1 if ast.get_docstring(node, clean=False) is not None else 0
 
 
-def _add_prologue(fn: _AnyFnDef) -> None:
+def _with_prologue(node: ast.ClassDef, fn: _AnyFnDef) -> ast.ClassDef:
+    """A copy of root class ``node`` whose forward first calls ``ensure_parallel``."""
+    new = copy.copy(fn)
     self_name = (fn.args.posonlyargs or fn.args.args)[0].arg
-    fn.body.insert(_after_docstring(fn), emit.prologue(self_name, fn))
+    new.body = list(fn.body)
+    new.body.insert(_after_docstring(fn), emit.prologue(self_name, fn))
+    cls = _copy_class(node)
+    cls.body[cls.body.index(fn)] = new
+    return cls
 
 
 def _insert_import(tree: ast.Module, mod: ModuleFacts) -> None:

@@ -21,6 +21,7 @@ from functools import lru_cache
 
 from hp_lazy.errors import PlanError
 from hp_lazy.plan.fqn import is_glob, matches
+from hp_lazy.plan.source import parse_source
 
 MODULE_LISTS = frozenset({"torch.nn.ModuleList", "torch.nn.modules.container.ModuleList"})
 PARAMETERS = frozenset({"torch.nn.Parameter", "torch.nn.parameter.Parameter"})
@@ -327,7 +328,7 @@ def _walk_body(body: list[ast.stmt]) -> Iterator[ast.AST]:
 def analyze(module: str, source: str) -> ModuleFacts:
     """Static facts of every top-level class of ``source`` (the text of module ``module``)."""
     try:
-        tree = ast.parse(source)
+        tree = parse_source(source)
     except SyntaxError as exc:
         raise PlanError(f"{module}: the source does not parse ({exc.msg}, line {exc.lineno}); fix the module") from exc
     classes: dict[str, ClassFacts] = {}
