@@ -223,7 +223,7 @@ TOY_SOURCE = textwrap.dedent(
 
 
 def toy(monkeypatch: pytest.MonkeyPatch, plan: dict, **flags) -> dict[str, dict]:
-    monkeypatch.setattr(auto_mod, "_config_plans", lambda module, facts: [("ToyConfig", plan)])
+    monkeypatch.setattr(auto_mod, "config_plans", lambda module, facts: [("ToyConfig", plan)])
     return {c.pattern: c.to_dict() for c in auto_contracts(TOY, TOY_SOURCE, **flags)}
 
 

@@ -3,8 +3,8 @@
 Layers, each importing only those above it in this list: ``fqn`` (globs), ``placement``,
 ``transitions`` (src/dst -> op, output keys), ``model`` (contracts, slices), ``parse``
 (validation), ``source`` (the one parse of a modeling source, shared with the lowerer),
-``resolve`` (static class graph), ``auto`` (transformers' TP plans), ``slice``, and ``plan``
-(:class:`Plan`, which ties them together).
+``resolve`` (static class graph), ``auto_rules`` and ``auto`` (transformers' TP plans),
+``slice``, and ``plan`` (:class:`Plan`, which ties them together).
 """
 
 from hp_lazy.plan.model import AutoFlags, Contract, InnerOp, ModulePlan, Region

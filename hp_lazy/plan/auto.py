@@ -2,7 +2,7 @@
 
 Sources: every config class's ``base_model_tp_plan`` (keys relative to the base model, e.g.
 ``"layers.*.self_attn.q_proj": "colwise"``) and the model classes' ``_tp_plan`` (keys relative to
-that class, e.g. ``{"lm_head": "colwise_gather_output"}``), read statically from the source.
+that class, e.g. ``{"lm_head": "colwise_gather_output"}``), read by :mod:`hp_lazy.plan.auto_rules`.
 
 Translation (layouts for ``[batch, seq, hidden]`` activations):
 
@@ -25,12 +25,11 @@ string, and pointing at an explicit JSON plan.
 
 from __future__ import annotations
 
-import importlib
 import re
-from dataclasses import dataclass
 from typing import NoReturn
 
 from hp_lazy.errors import PlanError
+from hp_lazy.plan.auto_rules import FIX, Rule, base_rules, config_plans, head_rules
 from hp_lazy.plan.model import AutoFlags, Contract
 from hp_lazy.plan.parse import contract_from_dict
 from hp_lazy.plan.resolve import ModuleFacts, analyze, forward_params
@@ -42,23 +41,6 @@ MOE = "moe_tp_experts"
 SUPPORTED = GROUPED | LEAF | {"embedding_rowwise", MOE}
 LINEAR = "torch.nn.Linear"
 EMBEDDING = "torch.nn.Embedding"
-FIX = "write an explicit JSON plan for this module (Plan.from_json) instead of Plan.auto"
-
-
-@dataclass(frozen=True)
-class _Rule:
-    """One transformers TP entry: ``key`` relative to class ``base``, whose FQN is ``prefix + key``."""
-
-    owner: str  # "LlamaConfig.base_model_tp_plan" / "LlamaForCausalLM._tp_plan"
-    base: str
-    prefix: str
-    key: str
-    style: object
-    head: bool
-
-    @property
-    def pattern(self) -> str:
-        return self.prefix + self.key
 
 
 def auto_contracts(
@@ -81,97 +63,13 @@ def auto_parts(module_name: str, source: str, flags: AutoFlags) -> tuple[tuple[C
     if not _MODULE.match(module_name):
         return None
     facts = analyze(module_name, source)
-    config_plans = _config_plans(module_name, facts)
-    if not config_plans:
+    plans = config_plans(module_name, facts)
+    if not plans:
         return None
-    rules = [r for name, plan in config_plans for r in _base_rules(facts, name, plan)]
-    rules += _head_rules(facts)
+    rules = [r for name, plan in plans for r in base_rules(facts, name, plan)]
+    rules += head_rules(facts)
     builder = _Builder(facts, flags)
     return builder.build(rules), dict(builder.classes)
-
-
-def _config_plans(module_name: str, facts: ModuleFacts) -> list[tuple[str, dict[str, object]]]:
-    package, _, leaf = module_name.rpartition(".")
-    names = sorted({v.rpartition(".")[0] for v in facts.imports.values() if v.startswith(package + ".configuration_")})
-    names = names or [f"{package}.configuration_{leaf[len('modeling_'):]}"]
-    found: list[tuple[str, dict[str, object]]] = []
-    for name in names:
-        try:
-            config_module = importlib.import_module(name)
-        except ImportError as exc:
-            raise PlanError(
-                f"{module_name}: cannot import its configuration module {name!r} ({exc}); "
-                f"install what it needs, or {FIX}"
-            ) from exc
-        for cls_name, obj in vars(config_module).items():
-            plan = getattr(obj, "base_model_tp_plan", None) if isinstance(obj, type) else None
-            if getattr(obj, "__module__", None) == name and isinstance(plan, dict) and plan:
-                found.append((cls_name, dict(plan)))
-    return found
-
-
-def _resolves(facts: ModuleFacts, start: str, key: str) -> bool:
-    parent = key.rpartition(".")[0]
-    return bool(facts.resolve(start, key) or (parent and facts.resolve(start, parent)))
-
-
-def _base_rules(facts: ModuleFacts, config: str, plan: dict[str, object]) -> list[_Rule]:
-    owner = f"{config}.base_model_tp_plan"
-    roots = set(facts.pretrained_roots())
-    scored = []
-    for name, cls in facts.classes.items():
-        if facts.is_pretrained(name) and name not in roots:
-            annotated = str(facts.constant(name, "config") or "").rpartition(".")[2] == config
-            count = sum(_resolves(facts, name, key) for key in plan)
-            scored.append((annotated, count, -cls.lineno, name))
-    best = max((s for s in scored if s[1] > 0), default=None)
-    if best is None:
-        if config not in {v.rpartition(".")[2] for v in facts.imports.values()}:
-            return []  # a config of the family that this modeling module does not use
-        raise PlanError(
-            f"{facts.module}: no model class of the module holds the keys of {owner} "
-            f"(e.g. {next(iter(plan))!r}); {FIX}"
-        )
-    base = best[3]
-    prefix = _prefix_to(facts, base)
-    return [_Rule(owner, base, prefix, key, style, False) for key, style in plan.items()]
-
-
-def _prefix_to(facts: ModuleFacts, base: str) -> str:
-    """``"model."`` when a class holds the base model under its ``base_model_prefix``."""
-    best: list[str] | None = None
-    for top in facts.classes:
-        if not facts.is_pretrained(top):
-            continue
-        for path in _paths(facts, top, base):
-            if path[0] != facts.constant(top, "base_model_prefix"):
-                continue
-            if best is None or (len(path), path) < (len(best), best):
-                best = path
-    return "".join(f"{p}." for p in best) if best else ""
-
-
-def _paths(facts: ModuleFacts, top: str, target: str, depth: int = 3) -> list[list[str]]:
-    out: list[tuple[str, list[str]]] = []
-    frontier: list[tuple[str, list[str]]] = [(top, [])]
-    for _ in range(depth):
-        nxt: list[tuple[str, list[str]]] = []
-        for cls, path in frontier:
-            for attr, refs in facts.children(cls).items():
-                for ref in refs:
-                    if ref.local and ref.elements is None:
-                        (out if ref.name == target else nxt).append((ref.name, [*path, attr]))
-        frontier = nxt
-    return [path for _, path in out]
-
-
-def _head_rules(facts: ModuleFacts) -> list[_Rule]:
-    rules = []
-    for name, cls in facts.classes.items():
-        plan = cls.constants.get("_tp_plan")
-        if isinstance(plan, dict):
-            rules += [_Rule(f"{name}._tp_plan", name, "", key, style, True) for key, style in plan.items()]
-    return rules
 
 
 class _Builder:
@@ -185,7 +83,7 @@ class _Builder:
         self.loss_parallel = flags.loss_parallel
         self.bodies: dict[str, tuple[dict, str]] = {}
 
-    def build(self, rules: list[_Rule]) -> tuple[Contract, ...]:
+    def build(self, rules: list[Rule]) -> tuple[Contract, ...]:
         for rule in rules:
             if not isinstance(rule.style, str) or rule.style not in SUPPORTED:
                 self._fail(rule, "is not a style Plan.auto translates (it handles colwise/packed_colwise -> "
@@ -211,7 +109,7 @@ class _Builder:
             self._containers(grouped, boundaries, rules)
         return tuple(contract_from_dict(p, body, self.mesh) for p, (body, _) in sorted(self.bodies.items()))
 
-    def _fail(self, rule: _Rule, why: str) -> NoReturn:
+    def _fail(self, rule: Rule, why: str) -> NoReturn:
         raise PlanError(f"{self.facts.module}: {rule.owner}[{rule.key!r}] = {rule.style!r} {why}; {FIX}")
 
     def _add(self, pattern: str, body: dict, owner: str) -> None:
@@ -222,7 +120,7 @@ class _Builder:
                 f"({known[0]!r} vs {body!r}); {FIX}"
             )
 
-    def _class_of(self, rule: _Rule, key: str) -> str:
+    def _class_of(self, rule: Rule, key: str) -> str:
         names = self.facts.resolve(rule.base, key)
         if len(names) != 1:
             found = f"classes {sorted(names)}" if names else "no class"
@@ -232,7 +130,7 @@ class _Builder:
     def _is_linear(self, name: str) -> bool:
         return name == LINEAR or (name in self.facts.classes and LINEAR in self.facts.external_bases(name))
 
-    def _input_key(self, rule: _Rule, name: str) -> str:
+    def _input_key(self, rule: Rule, name: str) -> str:
         if name not in self.facts.classes:
             return "input"
         forward = self.facts.forward(name)
@@ -249,7 +147,7 @@ class _Builder:
         params = forward_params(forward) if forward is not None else []
         return [p for p in params if p != first and (p.endswith("hidden_states") or p == "key_value_states")]
 
-    def _leaf(self, rule: _Rule) -> dict:
+    def _leaf(self, rule: Rule) -> dict:
         name = self._class_of(rule, rule.key)
         if not self._is_linear(name):
             self._fail(rule, f"applies to class {name!r}, which is not an nn.Linear")
@@ -265,7 +163,7 @@ class _Builder:
                 "out_src": {"output": {"tp": "S(-1)"}}, "out_dst": {"output": {"tp": out_dst}},
                 "params": {"weight": {"tp": "S(0)"}, "bias": {"tp": "S(0)"}}}
 
-    def _embedding(self, rule: _Rule) -> dict:
+    def _embedding(self, rule: Rule) -> dict:
         name = self._class_of(rule, rule.key)
         body = self._embedding_body(name)
         if body is None:
@@ -281,7 +179,7 @@ class _Builder:
             return {**_EMBEDDING_BODY, "skip_source_lowering": True}
         return None
 
-    def _implicit_embeddings(self, rules: list[_Rule]) -> None:
+    def _implicit_embeddings(self, rules: list[Rule]) -> None:
         """transformers adds ``embed_tokens: embedding_rowwise`` whenever a TP plan exists."""
         for base, prefix in sorted({(r.base, r.prefix) for r in rules if not r.head}):
             pattern = prefix + "embed_tokens"
@@ -290,9 +188,9 @@ class _Builder:
             if pattern not in self.bodies and body is not None:
                 self._add(pattern, body, "embed_tokens (transformers' implicit embedding_rowwise)")
 
-    def _boundaries(self, grouped: list[_Rule]) -> list[_Rule]:
+    def _boundaries(self, grouped: list[Rule]) -> list[Rule]:
         """The parents holding colwise and rowwise children; returns one rule per boundary."""
-        parents: dict[tuple[str, str], list[_Rule]] = {}
+        parents: dict[tuple[str, str], list[Rule]] = {}
         for rule in grouped:
             parent = rule.key.rpartition(".")[0]
             parents.setdefault((rule.base, parent), []).append(rule)
@@ -308,10 +206,10 @@ class _Builder:
         for (base, parent) in sorted(bodies):
             rule = next(r for r in grouped if r.base == base and r.key.startswith(parent + "."))
             self._add(rule.prefix + parent, self._boundary_body(rule, parent, bodies[(base, parent)]), rule.owner)
-            heads.append(_Rule(rule.owner, base, rule.prefix, parent, "boundary", False))
+            heads.append(Rule(rule.owner, base, rule.prefix, parent, "boundary", False))
         return heads
 
-    def _home(self, rule: _Rule, pairs: set[tuple[str, str]], base: str) -> tuple[str, str]:
+    def _home(self, rule: Rule, pairs: set[tuple[str, str]], base: str) -> tuple[str, str]:
         parent = rule.key.rpartition(".")[0]
         if not parent:
             self._fail(rule, f"names a direct child of the base model {base}, which Plan.auto cannot enclose")
@@ -325,7 +223,7 @@ class _Builder:
         self._fail(rule, f"has no {'rowwise' if rule.style != 'rowwise' else 'colwise'} sibling under "
                    f"{parent or rule.base!r}, so no module encloses a colwise -> rowwise pair")
 
-    def _child(self, rule: _Rule, parent: str, body: dict) -> None:
+    def _child(self, rule: Rule, parent: str, body: dict) -> None:
         rel = rule.key[len(parent) + 1 :] if parent else rule.key
         is_module = bool(self.facts.resolve(rule.base, rule.key))
         params, style = body["params"], str(rule.style)
@@ -347,12 +245,12 @@ class _Builder:
             else:
                 params[f"{rel}.bias"] = {"tp": shard}
 
-    def _is_param(self, rule: _Rule) -> bool:
+    def _is_param(self, rule: Rule) -> bool:
         owner_key, _, leaf = rule.key.rpartition(".")
         owners = self.facts.resolve(rule.base, owner_key) if owner_key else {rule.base}
         return any(leaf in self.facts.params(o) for o in owners if o in self.facts.classes)
 
-    def _boundary_class(self, rule: _Rule, parent: str, body: dict) -> str:
+    def _boundary_class(self, rule: Rule, parent: str, body: dict) -> str:
         """The class at ``parent``; where the slot holds several (dense MLP or MoE block by layer),
         the one class that has every planned child."""
         names = self.facts.resolve(rule.base, parent)
@@ -365,7 +263,7 @@ class _Builder:
                 return fits[0]
         return self._class_of(rule, parent)
 
-    def _experts_body(self, rule: _Rule, name: str, body: dict) -> dict:
+    def _experts_body(self, rule: Rule, name: str, body: dict) -> dict:
         """transformers' ``moe_tp_experts``: every rank runs its slice of every expert; all inputs
         (hidden states, routing weights) enter with copy_to, the partial sums are reduced at exit.
         Bound at run time around the class's own forward, which transformers' experts decorator
@@ -381,7 +279,7 @@ class _Builder:
             out["grad_sum_params"] = sorted(body["grad_sum_params"])
         return out
 
-    def _boundary_body(self, rule: _Rule, parent: str, body: dict) -> dict:
+    def _boundary_body(self, rule: Rule, parent: str, body: dict) -> dict:
         name = self._boundary_class(rule, parent, body)
         if name not in self.facts.classes:
             self._fail(rule, f"needs its enclosing module {parent!r} to be a class of the module, found {name!r}")
@@ -414,7 +312,7 @@ class _Builder:
         chosen = self.classes.get(outer)
         return chosen is None or bool(self.facts.resolve(chosen, rest))
 
-    def _containers(self, grouped: list[_Rule], boundaries: list[_Rule], rules: list[_Rule]) -> None:
+    def _containers(self, grouped: list[Rule], boundaries: list[Rule], rules: list[Rule]) -> None:
         for rule in boundaries:
             segments = rule.key.split(".")
             star = next((i for i, s in enumerate(segments) if s == "*" or s.isdigit()), None)

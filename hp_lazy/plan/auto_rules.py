@@ -1,0 +1,118 @@
+"""The TP plan entries ``Plan.auto`` translates, read from one transformers modeling module.
+
+``config_plans``: each config class's ``base_model_tp_plan`` (keys relative to the base model,
+e.g. ``"layers.*.self_attn.q_proj": "colwise"``), from the configuration modules the modeling
+module imports. ``base_rules`` finds the model class those keys are relative to and its FQN
+prefix (``"model."``); ``head_rules`` reads the model classes' ``_tp_plan`` (keys relative to
+that class, e.g. ``{"lm_head": "colwise_gather_output"}``) statically from the source.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+from hp_lazy.errors import PlanError
+from hp_lazy.plan.resolve import ModuleFacts
+
+FIX = "write an explicit JSON plan for this module (Plan.from_json) instead of Plan.auto"
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One transformers TP entry: ``key`` relative to class ``base``, whose FQN is ``prefix + key``."""
+
+    owner: str  # "LlamaConfig.base_model_tp_plan" / "LlamaForCausalLM._tp_plan"
+    base: str
+    prefix: str
+    key: str
+    style: object
+    head: bool
+
+    @property
+    def pattern(self) -> str:
+        return self.prefix + self.key
+
+
+def config_plans(module_name: str, facts: ModuleFacts) -> list[tuple[str, dict[str, object]]]:
+    package, _, leaf = module_name.rpartition(".")
+    names = sorted({v.rpartition(".")[0] for v in facts.imports.values() if v.startswith(package + ".configuration_")})
+    names = names or [f"{package}.configuration_{leaf[len('modeling_'):]}"]
+    found: list[tuple[str, dict[str, object]]] = []
+    for name in names:
+        try:
+            config_module = importlib.import_module(name)
+        except ImportError as exc:
+            raise PlanError(
+                f"{module_name}: cannot import its configuration module {name!r} ({exc}); "
+                f"install what it needs, or {FIX}"
+            ) from exc
+        for cls_name, obj in vars(config_module).items():
+            plan = getattr(obj, "base_model_tp_plan", None) if isinstance(obj, type) else None
+            if getattr(obj, "__module__", None) == name and isinstance(plan, dict) and plan:
+                found.append((cls_name, dict(plan)))
+    return found
+
+
+def _resolves(facts: ModuleFacts, start: str, key: str) -> bool:
+    parent = key.rpartition(".")[0]
+    return bool(facts.resolve(start, key) or (parent and facts.resolve(start, parent)))
+
+
+def base_rules(facts: ModuleFacts, config: str, plan: dict[str, object]) -> list[Rule]:
+    owner = f"{config}.base_model_tp_plan"
+    roots = set(facts.pretrained_roots())
+    scored = []
+    for name, cls in facts.classes.items():
+        if facts.is_pretrained(name) and name not in roots:
+            annotated = str(facts.constant(name, "config") or "").rpartition(".")[2] == config
+            count = sum(_resolves(facts, name, key) for key in plan)
+            scored.append((annotated, count, -cls.lineno, name))
+    best = max((s for s in scored if s[1] > 0), default=None)
+    if best is None:
+        if config not in {v.rpartition(".")[2] for v in facts.imports.values()}:
+            return []  # a config of the family that this modeling module does not use
+        raise PlanError(
+            f"{facts.module}: no model class of the module holds the keys of {owner} "
+            f"(e.g. {next(iter(plan))!r}); {FIX}"
+        )
+    base = best[3]
+    prefix = _prefix_to(facts, base)
+    return [Rule(owner, base, prefix, key, style, False) for key, style in plan.items()]
+
+
+def _prefix_to(facts: ModuleFacts, base: str) -> str:
+    """``"model."`` when a class holds the base model under its ``base_model_prefix``."""
+    best: list[str] | None = None
+    for top in facts.classes:
+        if not facts.is_pretrained(top):
+            continue
+        for path in _paths(facts, top, base):
+            if path[0] != facts.constant(top, "base_model_prefix"):
+                continue
+            if best is None or (len(path), path) < (len(best), best):
+                best = path
+    return "".join(f"{p}." for p in best) if best else ""
+
+
+def _paths(facts: ModuleFacts, top: str, target: str, depth: int = 3) -> list[list[str]]:
+    out: list[tuple[str, list[str]]] = []
+    frontier: list[tuple[str, list[str]]] = [(top, [])]
+    for _ in range(depth):
+        nxt: list[tuple[str, list[str]]] = []
+        for cls, path in frontier:
+            for attr, refs in facts.children(cls).items():
+                for ref in refs:
+                    if ref.local and ref.elements is None:
+                        (out if ref.name == target else nxt).append((ref.name, [*path, attr]))
+        frontier = nxt
+    return [path for _, path in out]
+
+
+def head_rules(facts: ModuleFacts) -> list[Rule]:
+    rules = []
+    for name, cls in facts.classes.items():
+        plan = cls.constants.get("_tp_plan")
+        if isinstance(plan, dict):
+            rules += [Rule(f"{name}._tp_plan", name, "", key, style, True) for key, style in plan.items()]
+    return rules
