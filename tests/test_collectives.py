@@ -12,7 +12,9 @@ import torch.nn.functional as F
 import hp_lazy
 from dist import DistPool, pool_fixture
 from hp_lazy.errors import ShardingError
-from hp_lazy.runtime import collectives as C
+from hp_lazy.runtime.comm import pairs as C
+from hp_lazy.runtime.comm import wire as W
+from hp_lazy.runtime.tp.loss import vocab_parallel_cross_entropy
 from hp_lazy.runtime.mesh import Group, get_mesh
 
 pool2 = pool_fixture(2)
@@ -90,18 +92,18 @@ def _run_pair(rank: int, world: int, name: str, tp: int, dims: tuple[int, ...], 
     g = _group(tp)
     x_local, op, out_ref, loss_of, grad_ref = _case(name, g, dims)
     x = x_local.detach().clone().requires_grad_()
-    native = C._reduce_scatter_single
+    native = W._reduce_scatter_single
     if fallback:  # a backend without reduce_scatter: the first call fails, later ones skip it
-        C._reduce_scatter_single = _unsupported
+        W._reduce_scatter_single = _unsupported
     try:
         with hp_lazy.collective_counter() as counter:
             y = op(x)
             torch.testing.assert_close(y, out_ref, rtol=1e-12, atol=1e-12)
             loss_of(y).backward()
-        assert C._NO_REDUCE_SCATTER == ({"gloo"} if fallback else set())
+        assert W._NO_REDUCE_SCATTER == ({"gloo"} if fallback else set())
     finally:
-        C._reduce_scatter_single = native
-        C._NO_REDUCE_SCATTER.clear()
+        W._reduce_scatter_single = native
+        W._NO_REDUCE_SCATTER.clear()
     torch.testing.assert_close(x.grad, grad_ref, rtol=1e-12, atol=1e-12)
     assert y.is_contiguous() and x.grad.is_contiguous()
     return dict(counter.counts)
@@ -145,13 +147,13 @@ def _real_failure(*args: Any, **kwargs: Any) -> None:
 
 
 def _reduce_scatter_failure_body(rank: int, world: int) -> str:
-    native, C._reduce_scatter_single = C._reduce_scatter_single, _real_failure
+    native, W._reduce_scatter_single = W._reduce_scatter_single, _real_failure
     try:
         C.reduce_scatter_to(torch.ones(4), _group(world), 0)
     except RuntimeError as error:
-        return f"{error}; fallback taken: {bool(C._NO_REDUCE_SCATTER)}"
+        return f"{error}; fallback taken: {bool(W._NO_REDUCE_SCATTER)}"
     finally:
-        C._reduce_scatter_single = native
+        W._reduce_scatter_single = native
     return "no error"
 
 
@@ -167,7 +169,7 @@ def test_reduce_scatter_fallback(pool2: DistPool, name: str, dims: tuple[int, ..
 
 def test_docstring_table_matches_pairs_and_exports() -> None:
     assert _table() == C.PAIRS
-    assert len(C.PAIRS) == 7
+    assert len(C.PAIRS) == 9
     for name in C.PAIRS:
         assert callable(getattr(C, name)) and name in C.__all__
 
@@ -181,8 +183,8 @@ def test_size_one_is_a_no_op() -> None:
         for op in (C.gather_from, C.gather_to, C.scatter_to, C.reduce_scatter_to):
             assert op(x, g, -1) is x
         assert C.all_to_all(x, g, 0, 1) is x
-        assert C.all_reduce_(x.detach(), g) is not None
-        assert C.all_gather_list(x, g) == [x]
+        assert W.all_reduce_(x.detach(), g) is not None
+        assert W.all_gather_list(x, g) == [x]
     assert counter.total == 0 and str(counter) == "0 collectives"
 
 
@@ -205,12 +207,12 @@ def _counter_body(rank: int, world: int) -> list[Any]:
         y = C.reduce_from(C.copy_to(x, g), g)  # fwd: all_reduce; bwd: all_reduce
         with hp_lazy.collective_counter() as inner:
             hooked = (y * 2).sum()
-            x.register_hook(lambda grad: C.all_reduce_(grad, g))  # a gradient hook: phase "backward"
+            x.register_hook(lambda grad: W.all_reduce_(grad, g))  # a gradient hook: phase "backward"
             hooked.backward()
     strided = torch.arange(8.0).view(2, 4).t()  # non-contiguous
-    C.all_reduce_(strided, g)
+    W.all_reduce_(strided, g)
     return [dict(outer.counts), dict(inner.counts), outer.total, outer.by_phase("backward"), str(outer),
-            x.grad.tolist(), strided.tolist(), [t.tolist() for t in C.all_gather_list(torch.tensor([rank]), g)]]
+            x.grad.tolist(), strided.tolist(), [t.tolist() for t in W.all_gather_list(torch.tensor([rank]), g)]]
 
 
 def test_counter_phases_nesting_and_in_place_reduce(pool2: DistPool) -> None:
@@ -238,7 +240,7 @@ def _vocab_ce_body(rank: int, world: int, tp: int, reduction: str, shape: tuple[
     ref = F.cross_entropy(ref_logits.view(-1, vocab), labels.view(-1), ignore_index=-100, reduction=reduction)
     local = _chunk(full, -1, g.rank, g.size).clone().requires_grad_()
     with hp_lazy.collective_counter() as counter:
-        loss = C.vocab_parallel_cross_entropy(local, labels, g, 5 * g.rank, reduction=reduction)
+        loss = vocab_parallel_cross_entropy(local, labels, g, 5 * g.rank, reduction=reduction)
         loss.backward(torch.ones_like(loss))
     torch.testing.assert_close(loss, ref.view(loss.shape), rtol=1e-12, atol=1e-12)
     ref.backward(torch.ones_like(ref))
@@ -262,18 +264,18 @@ def test_vocab_parallel_cross_entropy_size_one_and_errors() -> None:
     g = Group.solo("tp")
     logits = torch.randn(6, 11, dtype=torch.float64, requires_grad=True)
     labels = torch.tensor([0, 10, -100, 3, -100, 7])
-    loss = C.vocab_parallel_cross_entropy(logits, labels, g, 0)
+    loss = vocab_parallel_cross_entropy(logits, labels, g, 0)
     ref = F.cross_entropy(logits, labels)
     torch.testing.assert_close(loss, ref, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(torch.autograd.grad(loss, logits)[0], torch.autograd.grad(ref, logits)[0])
     with pytest.raises(ShardingError, match=r"labels of shape \[5\] do not match logits of shape \[6, 11\]"):
-        C.vocab_parallel_cross_entropy(logits, labels[:5], g, 0)
+        vocab_parallel_cross_entropy(logits, labels[:5], g, 0)
     with pytest.raises(ShardingError, match=r"reduction='avg' is not supported; use 'mean', 'sum' or 'none'"):
-        C.vocab_parallel_cross_entropy(logits, labels, g, 0, reduction="avg")
+        vocab_parallel_cross_entropy(logits, labels, g, 0, reduction="avg")
 
 
 def test_counter_is_exported_from_the_package() -> None:
-    assert hp_lazy.collective_counter is C.collective_counter
+    assert hp_lazy.collective_counter is W.collective_counter
 
 
 # --------------------------------------------------------------------------- the harness itself
@@ -311,3 +313,57 @@ def test_harness_times_out_instead_of_hanging() -> None:
             pool.run(_sleep_on_rank_0)
     finally:
         pool.close()
+
+
+def _all_to_all_v(rank: int, world: int) -> dict:
+    """Rank r sends ``counts[r][j]`` rows to rank j (zeros included: some ranks receive nothing)."""
+    from hp_lazy.runtime.mesh import get_mesh
+
+    g = get_mesh({"tp": world}).group("tp")
+    counts = [[(r * 3 + j) % 3 for j in range(world)] for r in range(world)]  # rank 0 sends 0 to rank 0
+    send = counts[rank]
+    recv = [counts[j][rank] for j in range(world)]
+    x = (torch.arange(sum(send) * 2, dtype=torch.float64).view(-1, 2) + 100 * rank).requires_grad_()
+    with hp_lazy.collective_counter() as counter:
+        y = C.all_to_all_v(x, g, send, recv)
+        (y * (rank + 1)).sum().backward()
+    return {"y": y.detach(), "grad": x.grad, "counts": counts, "calls": dict(counter.counts)}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_all_to_all_v_routes_rows_and_gradients_back(pool2: DistPool, pool4: DistPool, world: int) -> None:
+    got = (pool2 if world == 2 else pool4).run(_all_to_all_v)
+    counts = got[0]["counts"]
+    xs = [torch.arange(sum(counts[r]) * 2, dtype=torch.float64).view(-1, 2) + 100 * r for r in range(world)]
+    for rank, result in enumerate(got):
+        pieces = [xs[j].split(counts[j])[rank] for j in range(world)]
+        assert torch.equal(result["y"], torch.cat(pieces))
+        # every row sent by this rank was weighted by its receiver's (rank + 1)
+        weights = torch.cat([torch.full((n, 2), float(j + 1), dtype=torch.float64) for j, n in enumerate(counts[rank])])
+        assert torch.equal(result["grad"], weights)
+        assert result["calls"] == {("all_to_all", "forward"): 1, ("all_to_all", "backward"): 1}
+    assert any(0 in row for row in counts)  # a zero count is in the test
+
+
+def _gather_kv(rank: int, world: int) -> dict:
+    from hp_lazy.runtime.mesh import get_mesh
+
+    g = get_mesh({"tp": world}).group("tp")
+    gen = torch.Generator().manual_seed(0)
+    K, V = torch.randn(2, 3, 4 * world, 5, generator=gen, dtype=torch.float64), torch.randn(2, 3, 4 * world, 5, generator=gen, dtype=torch.float64)
+    k, v = [t.chunk(world, dim=2)[rank].clone().requires_grad_() for t in (K, V)]
+    with hp_lazy.collective_counter() as counter:
+        kf, vf = C.gather_kv(k, v, g, 2)
+        ((kf * (rank + 1)).sum() + (vf * vf).sum() * (rank + 1)).backward()
+    return {"k": kf.detach(), "v": vf.detach(), "dk": k.grad, "dv": v.grad, "K": K, "V": V, "calls": dict(counter.counts)}
+
+
+def test_gather_kv_is_one_gather_and_one_reduce_scatter(pool4: DistPool) -> None:
+    got = pool4.run(_gather_kv)
+    K, V, n = got[0]["K"], got[0]["V"], 4
+    total = sum(r + 1 for r in range(n))  # the loss of every rank uses the full K and V
+    for rank, result in enumerate(got):
+        assert torch.equal(result["k"], K) and torch.equal(result["v"], V)
+        assert torch.allclose(result["dk"], torch.full_like(result["dk"], float(total)))
+        assert torch.allclose(result["dv"], (2 * V * total).chunk(n, dim=2)[rank])
+        assert result["calls"] == {("all_gather", "forward"): 1, ("reduce_scatter", "backward"): 1}
