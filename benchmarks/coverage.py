@@ -353,7 +353,8 @@ def child_rank(family: str, workdir: str) -> None:
         torch.manual_seed(0)
         model = getattr(transformers, meta["auto"]).from_pretrained(workdir, dtype=_dtype(), **_load_options())
         hp_lazy.parallelize(model)
-        sharded = sum(getattr(p, "_hp_shard", None) is not None for p in model.parameters())
+        table = model.__dict__["_hp_layout"]
+        sharded = sum(1 for name, _ in model.named_parameters() if table is not None and name in table)
         total = sum(1 for _ in model.parameters())
         out, loss = _step(model, meta["mode"])
         grads = hp_lazy.full_grads(model)

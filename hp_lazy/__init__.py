@@ -26,18 +26,20 @@ __all__ = [
     "full_state_dict",
     "lower_source",
     "mesh",
+    "no_sync",
     "parallelize",
 ]
 
 _LAZY = {
-    "activate": "hp_lazy.hook.api",
-    "deactivate": "hp_lazy.hook.api",
+    "activate": "hp_lazy.api",
+    "deactivate": "hp_lazy.api",
     "lower_source": "hp_lazy.lower",
-    "parallelize": "hp_lazy.runtime.bind",
-    "full_state_dict": "hp_lazy.runtime.state",
-    "full_grads": "hp_lazy.runtime.state",
-    "collective_counter": "hp_lazy.runtime.collectives",
-    "mesh": "hp_lazy.runtime.mesh",
+    "parallelize": "hp_lazy.api",
+    "full_state_dict": "hp_lazy.api",
+    "full_grads": "hp_lazy.api",
+    "no_sync": "hp_lazy.api",
+    "collective_counter": "hp_lazy.runtime.comm",
+    "mesh": "hp_lazy.api",
 }
 
 

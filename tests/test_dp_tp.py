@@ -1,14 +1,19 @@
-"""dp x tp on one mesh: 4 ranks with tp=2 give two tensor-parallel groups ({0, 1} and {2, 3});
-each is exact on its own, and tp rank r of each group holds the same shard."""
+"""dp x tp at world 4 (tp=2, dp=2): two tensor-parallel groups ({0, 1} and {2, 3}), each dp rank
+feeding its own rows of one global batch; gradients reduced over dp by hp_lazy itself (the
+default), by torch DDP or by FSDP2 (``data_parallel=False``), against one process over the whole
+batch: loss, every gradient, three optimizer steps. Qwen3's q/k norms hold partial gradients
+over tp, which must compose with the dp reduction."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+import dpwork
 import parity
-from dist import DistPool, pool_fixture
+from dist import DistPool, WorkerError, pool_fixture
 
-pool4 = pool_fixture(4, timeout=180)
+pool4 = pool_fixture(4, timeout=240)
 
 
 def _shards(rank: int, world: int, path: str) -> dict:
@@ -29,3 +34,75 @@ def test_two_tp_groups_in_a_four_rank_world(pool4: DistPool, refs) -> None:
     assert [(g["dp_rank"], g["tp_rank"]) for g in got] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert torch.equal(got[0]["q"], got[2]["q"]) and torch.equal(got[1]["q"], got[3]["q"])
     assert not torch.equal(got[0]["q"], got[1]["q"])
+
+
+def _check(pool4: DistPool, refs, name: str, wrap: str, kind: str = "sgd", micro: int = 1) -> list[dict]:
+    parity.activated(pool4, tp=2)
+    return dpwork.check(pool4, refs, name, wrap, dp=2, kind=kind, micro=micro)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_hp_lazy_owns_dp(pool4: DistPool, refs, name: str) -> None:
+    got = _check(pool4, refs, name, "hp")
+    # backward: 2L+1 tp all-reduces (L=2) plus one per gradient bucket (dp, and dp x tp for
+    # Qwen3's q/k norms), and nothing else
+    buckets = got[0]["buckets"]
+    assert buckets == (2 if name == "qwen3" else 1)
+    assert [g["backward"] for g in got] == [{"all_reduce": 5 + buckets}] * 4
+
+
+def test_hp_lazy_owns_dp_adamw_with_accumulation(pool4: DistPool, refs) -> None:
+    _check(pool4, refs, "qwen3", "hp", kind="adamw", micro=2)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_torch_ddp_over_the_dp_group(pool4: DistPool, refs, name: str) -> None:
+    _check(pool4, refs, name, "ddp")
+
+
+def test_torch_ddp_with_accumulation(pool4: DistPool, refs) -> None:
+    _check(pool4, refs, "qwen3", "ddp", kind="adamw", micro=2)
+
+
+def test_fsdp2_over_the_dp_submesh(pool4: DistPool, refs) -> None:
+    _check(pool4, refs, "qwen3", "fsdp")
+
+
+def test_nobody_reducing_dp_fails(pool4: DistPool, refs) -> None:
+    """Negative control: with data_parallel=False and no wrapper, dp ranks keep their own gradients."""
+    with pytest.raises(AssertionError, match="relative errors above"):
+        _check(pool4, refs, "llama", "none")
+
+
+def _ddp_over_own_dp(rank: int, world: int, path: str) -> None:
+    import hp_lazy
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = hp_lazy.parallelize(parity._load(path))  # data_parallel=True: hp_lazy averages over dp
+    net = DistributedDataParallel(model, process_group=hp_lazy.mesh().group("dp").pg)
+    ids = dpwork.global_batch(2)[:2]
+    net(input_ids=ids, labels=ids)
+
+
+def test_ddp_on_top_of_hp_lazy_dp_is_refused(pool4: DistPool, refs) -> None:
+    parity.activated(pool4, tp=2)
+    path, _ = refs("llama")
+    with pytest.raises(WorkerError, match=r"runs inside torch DistributedDataParallel, but hp_lazy already averages"):
+        pool4.run(_ddp_over_own_dp, path)
+
+
+def _fsdp_over_own_dp(rank: int, world: int, path: str) -> None:
+    import hp_lazy
+    from torch.distributed.fsdp import fully_shard
+
+    model = hp_lazy.parallelize(parity._load(path))  # data_parallel=True: hp_lazy averages over dp
+    fully_shard(model, mesh=hp_lazy.mesh().device_mesh["dp"])
+    ids = dpwork.global_batch(2)[:2]
+    model(input_ids=ids, labels=ids)
+
+
+def test_fsdp2_on_top_of_hp_lazy_dp_is_refused(pool4: DistPool, refs) -> None:
+    parity.activated(pool4, tp=2)
+    path, _ = refs("qwen3")
+    with pytest.raises(WorkerError, match=r"was replaced after hp_lazy bound the model \(by FSDP2's fully_shard\?\)"):
+        pool4.run(_fsdp_over_own_dp, path)

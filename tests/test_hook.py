@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).parent / "pkgs"))
 import hookfakes  # noqa: E402
 from hookfakes import BOOM_LINE, TOY_SOURCE, install_fake, make_pkg  # noqa: E402
 
+import hp_lazy  # noqa: E402
 from hp_lazy.errors import PlanError  # noqa: E402
 from hp_lazy.plan import AutoFlags  # noqa: E402
 from hp_lazy.hook import api  # noqa: E402
@@ -213,23 +214,23 @@ def test_glob_targets_and_auto_already_imported_check(toy) -> None:
 def test_hp_lazy_0_makes_activate_a_no_op(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HP_LAZY", "0")
     before = list(sys.meta_path)
-    handle = api.activate({"this": "is not even a plan"})
+    handle = hp_lazy.activate({"this": "is not even a plan"})
     assert handle.active is False and handle.plan is None and sys.meta_path == before
     handle.deactivate()
 
 
 def test_auto_needs_tp() -> None:
     with pytest.raises(PlanError, match=r"activate\('auto'\): tp is not given.*pass tp=N"):
-        api.activate("auto")
+        hp_lazy.activate("auto")
 
 
 def test_unreadable_plan_path(tmp_path: Path) -> None:
     with pytest.raises(PlanError, match=r"missing\.json'?: cannot be read"):
-        api.activate(str(tmp_path / "missing.json"))
+        hp_lazy.activate(str(tmp_path / "missing.json"))
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
     with pytest.raises(PlanError, match=r"bad\.json'?: invalid JSON at line 1"):
-        api.activate(bad)
+        hp_lazy.activate(bad)
 
 
 def test_name_matcher() -> None:
@@ -381,7 +382,7 @@ def test_real_plan_lowers_on_import(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     name = "hp_toymodel.modeling_toy"
     sys.modules.pop(name, None)
     try:
-        with api.activate(str(Path(CHILD).parent / "toy_plan.json"), tp=4, cache_dir=tmp_path / "c") as handle:
+        with hp_lazy.activate(str(Path(CHILD).parent / "toy_plan.json"), tp=4, cache_dir=tmp_path / "c") as handle:
             assert handle.plan.mesh["tp"] == 4 and api.active_plan() is handle.plan
             module = importlib.import_module(name)
         import hp_lazy.runtime.rt as rt

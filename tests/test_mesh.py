@@ -10,7 +10,7 @@ import torch.distributed as tdist
 
 from dist import DistPool, pool_fixture
 from hp_lazy.errors import ShardingError
-from hp_lazy.runtime import collectives as C
+from hp_lazy.runtime.comm import wire as C
 from hp_lazy.runtime.mesh import Group, ensure_process_group, get_mesh, mesh_shape
 
 pool4 = pool_fixture(4)
@@ -22,7 +22,7 @@ pool4 = pool_fixture(4)
         ({"tp": 2}, 8, (("dp", 4), ("tp", 2))),
         ({"tp": 4}, 4, (("tp", 4),)),
         ({"tp": 2, "cp": 2}, 8, (("dp", 2), ("cp", 2), ("tp", 2))),
-        ({"tp": 2, "ep": 2, "cp": 1}, 4, (("ep", 2), ("tp", 2))),
+        ({"tp": 2, "ep": 2, "cp": 1}, 4, (("dp", 2), ("tp", 2))),  # ep is carved out of dp * cp
         ({"dp": 2, "tp": 2}, 4, (("dp", 2), ("tp", 2))),
         ({"tp": 1}, 1, ()),
         ({}, 3, (("dp", 3),)),
@@ -84,6 +84,26 @@ def test_groups_at_world_4(pool4: DistPool) -> None:
     assert all(m["dp"] == (1, 0, [r]) for r, m in enumerate(tp4))
     cp_tp = pool4.run(_members, {"cp": 2, "tp": 2})
     assert [m["cp"] for m in cp_tp] == [(2, 0, [0, 2]), (2, 0, [1, 3]), (2, 1, [0, 2]), (2, 1, [1, 3])]
+    ep_tp = pool4.run(_members, {"ep": 2, "tp": 2})  # ep carved out of the dp ranks of each tp rank
+    assert [m["ep"] for m in ep_tp] == [(2, 0, [0, 2]), (2, 0, [1, 3]), (2, 1, [0, 2]), (2, 1, [1, 3])]
+    assert [m["dp"] for m in ep_tp] == [m["ep"] for m in ep_tp]
+
+
+def _spanning(rank: int, world: int) -> list[Any]:
+    mesh = get_mesh({"tp": 2})
+    out = []
+    for axes, dedicated in ((("dp", "tp"), False), (("tp",), True), (("dp", "tp"), True)):
+        g = mesh.group_of(axes, dedicated=dedicated)
+        out.append((g.size, g.rank, [int(r) for r in C.all_gather_list(torch.tensor(rank), g)], g.pg is mesh.group("tp").pg))
+    return out
+
+
+def test_groups_spanning_axes(pool4: DistPool) -> None:
+    got = pool4.run(_spanning)
+    assert [g[0] for g in got] == [(4, r, [0, 1, 2, 3], False) for r in range(4)]
+    assert [g[1][:3] for g in got] == [(2, 0, [0, 1]), (2, 1, [0, 1]), (2, 0, [2, 3]), (2, 1, [2, 3])]
+    assert not any(g[1][3] for g in got)  # a dedicated tp group is not the forward's tp group
+    assert [g[2][:3] for g in got] == [(4, r, [0, 1, 2, 3]) for r in range(4)]
 
 
 def _error_text(rank: int, world: int, degrees: dict[str, int]) -> str:

@@ -172,15 +172,15 @@ def test_gradient_accumulation_sums_partial_gradients_once_per_pass(pool: DistPo
 
 def _packed_round_trip(rank: int, world: int) -> dict:
     from hp_lazy.plan.placement import Placement
+    from hp_lazy.runtime.layout import plan_layout
     from hp_lazy.runtime.mesh import get_mesh
-    from hp_lazy.runtime.shard import full_tensor, local_shard, make_spec
 
-    group = get_mesh({"tp": world}).group("tp")
+    groups = {"tp": get_mesh({"tp": world}).group("tp")}
     gate, up = torch.arange(8.0).view(4, 2), 100 + torch.arange(8.0).view(4, 2)
     fused = torch.cat([gate, up])  # a fused gate_up_proj weight [2 * inter, hidden]
-    spec = make_spec("mlp.gate_up_proj.weight", fused, Placement.parse("SS(0,2)"), group)
-    local = local_shard(fused, spec)
-    return {"local": local, "full": full_tensor(local, spec)}
+    layout = plan_layout("mlp.gate_up_proj.weight", (8, 2), {"tp": Placement.parse("SS(0,2)")}, groups)
+    local = layout.local(fused)
+    return {"local": local, "full": layout.gather(local, groups)}
 
 
 def test_packed_shard_takes_each_rank_its_chunk_of_every_block(pool: DistPool) -> None:

@@ -1,9 +1,8 @@
-"""``activate(plan)`` / ``deactivate()``: put the finder on ``sys.meta_path`` and take it off.
+"""``install(plan, ...)`` / ``deactivate()``: put the finder on ``sys.meta_path`` and take it off
+(``hp_lazy.activate`` in :mod:`hp_lazy.api` is the user's call; it wires the lowerer and runtime in).
 
-Switches: ``HP_LAZY=0`` makes ``activate`` a no-op (stock imports, bit for bit);
 ``HP_LAZY_STRICT=1`` turns the already-imported warning into a ``PlanError``;
-``HP_LAZY_DEBUG=1`` logs one line per lowered module (hit/miss, ms, key) to stderr;
-``HP_LAZY_CACHE`` / ``HP_LAZY_CACHE_DIR``: see :mod:`hp_lazy.hook.cache`.
+``HP_LAZY_DEBUG=1`` logs one line per lowered module (hit/miss, ms, key) to stderr.
 
 Modules imported before ``activate`` stay as they are; deactivating leaves lowered modules lowered
 and only restores how *later* imports behave.
@@ -31,14 +30,7 @@ from hp_lazy.hook.finder import (
     install_remote_code_view,
     remove_remote_code_view,
 )
-from hp_lazy.hook.loader import (
-    BindFn,
-    HookState,
-    LowerFn,
-    default_bind,
-    default_lower,
-    default_runtime,
-)
+from hp_lazy.hook.loader import BindFn, HookState, LowerFn
 from hp_lazy.plan import Plan
 
 logger = logging.getLogger("hp_lazy.hook")
@@ -82,26 +74,6 @@ _LOCK = threading.Lock()
 _ACTIVE: Optional[HpLazyFinder] = None
 
 
-def activate(
-    plan: PlanSpec,
-    *,
-    tp: Optional[int] = None,
-    sequence_parallel: bool = False,
-    cache_dir: Union[str, "os.PathLike[str]", None] = None,
-) -> Handle:
-    """Lower the modules ``plan`` names when they are imported from now on.
-
-    ``plan``: a Plan, a dict, a path to a ``.json`` plan, or ``"auto"`` (transformers' own
-    ``base_model_tp_plan``; needs ``tp``). ``tp`` with an explicit plan overrides its mesh tp.
-    Activating again replaces the active plan.
-    """
-    if os.environ.get("HP_LAZY", "1").strip() == "0":
-        logger.debug("hp_lazy: HP_LAZY=0, activate() does nothing")
-        return Handle(plan=None)
-    resolved = load_plan(plan, tp=tp, sequence_parallel=sequence_parallel)
-    return install(resolved, cache=Cache(cache_dir))
-
-
 def deactivate() -> None:
     """Remove the active finder (if any); later imports are plain again."""
     with _LOCK:
@@ -119,23 +91,25 @@ def install(
     plan: Any,
     *,
     cache: Cache,
-    lower: Optional[LowerFn] = None,
-    bind: Optional[BindFn] = None,
-    runtime: Optional[Callable[[], Any]] = None,
+    lower: LowerFn,
+    bind: BindFn,
+    runtime: Callable[[], Any],
 ) -> Handle:
     """Put a finder for ``plan`` (already resolved) at ``sys.meta_path[0]``.
 
-    ``lower``/``bind``/``runtime`` default to hp_lazy.lower.lower, hp_lazy.runtime.registry.register
-    and hp_lazy.runtime.rt; tests inject stand-ins to exercise the hook and cache on their own.
+    ``lower(source, module_plan, filename)`` rewrites a module, ``bind(module, module_plan,
+    source_sha256)`` records it for the runtime and ``runtime()`` returns the module lowered code
+    sees as ``__hp_rt__``: the facade (:mod:`hp_lazy.api`) passes hp_lazy's own; tests pass
+    stand-ins to exercise the hook and cache on their own.
     """
     global _ACTIVE
     _maybe_debug_logging()
     state = HookState(
         plan=plan,
         cache=cache,
-        lower=lower or default_lower(),
-        bind=bind or default_bind,
-        runtime=runtime or default_runtime,
+        lower=lower,
+        bind=bind,
+        runtime=runtime,
     )
     matcher = NameMatcher(plan.modules)
     _check_already_imported(plan, matcher)

@@ -5,7 +5,7 @@ Layout: ``<root>/v1/<cache_tag>/<module>/<key[:32]>.hplz`` and ``<root>/key``; `
 ``activate(cache_dir=)``, else ``$HP_LAZY_CACHE_DIR``, else ``${XDG_CACHE_HOME:-~/.cache}/hp_lazy``.
 
 Key: sha256 of the canonical JSON of the file format, the plan slice hash, the source sha256, the
-hp_lazy version, the lowerer's own code hash (``hp_lazy/lower/*.py`` + ``hp_lazy/plan/*.py``, once
+hp_lazy version, the lowerer's own code hash (``hp_lazy/lower/*.py`` + ``hp_lazy/plan/*.py`` + ``names.py``, once
 per process), the bytecode magic and cache tag, ``sys.flags.optimize``, the module name and the
 origin's realpath. Nothing is overwritten in place: any change of input gives a new file.
 
@@ -128,9 +128,11 @@ def mode_from_env() -> Mode:
 
 @lru_cache(maxsize=1)
 def lowerer_code_hash() -> str:
-    """sha256 over the sources of hp_lazy/lower/*.py and hp_lazy/plan/*.py (once per process)."""
+    """sha256 over the sources of hp_lazy/lower/*.py, hp_lazy/plan/*.py and hp_lazy/names.py (the
+    generated names), once per process."""
     package = Path(__file__).resolve().parent.parent
     digest = hashlib.sha256()
+    digest.update(b"names.py\0" + (package / "names.py").read_bytes())
     for sub in ("lower", "plan"):
         for path in sorted((package / sub).glob("*.py")):
             digest.update(f"{sub}/{path.name}\0".encode())

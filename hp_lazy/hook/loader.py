@@ -22,6 +22,7 @@ from typing import Any, Callable, Optional, Protocol
 
 from hp_lazy.errors import LoweringError
 from hp_lazy.hook.cache import Cache, cache_key
+from hp_lazy.names import RT
 
 logger = logging.getLogger("hp_lazy.hook")
 
@@ -74,21 +75,6 @@ class _Loaded:
     info: Optional[LoweredInfo]
 
 
-def default_lower() -> LowerFn:
-    from hp_lazy.lower import lower
-
-    return lower
-
-
-def default_runtime() -> ModuleType:
-    return importlib.import_module("hp_lazy.runtime.rt")
-
-
-def default_bind(module_name: str, module_plan: Any, source_sha256: str) -> None:
-    registry = importlib.import_module("hp_lazy.runtime.registry")
-    registry.register(module_name, module_plan, source_sha256)
-
-
 class HpLazyLoader(SourceFileLoader):
     """A SourceFileLoader whose code for a planned module is the lowered tree."""
 
@@ -103,7 +89,7 @@ class HpLazyLoader(SourceFileLoader):
         loaded = self._load(module.__name__)
         if loaded.info is not None:
             namespace = module.__dict__
-            namespace["__hp_rt__"] = self._state.runtime()
+            namespace[RT] = self._state.runtime()
             namespace["__hp_lazy__"] = loaded.info
             self._state.bind(module.__name__, loaded.module_plan, loaded.info.source_sha256)
         exec(loaded.code, module.__dict__)

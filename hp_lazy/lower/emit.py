@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 from hp_lazy.lower.classify import BoundOp, FormDecision
 from hp_lazy.lower.facts import IMPL_NAME, ForwardFacts
+from hp_lazy.names import CALL, RT, RT_MODULE
 
-RT = "__hp_rt__"
-RT_IMPORT = f"import hp_lazy.runtime.rt as {RT}"
+RT_IMPORT = f"import {RT_MODULE} as {RT}"
 _LOCATION = ("lineno", "col_offset", "end_lineno", "end_col_offset")
 
 
@@ -118,19 +118,20 @@ def _exit_notes(spec: ForwardSpec) -> list[str]:
 
 
 def generic_entry(spec: ForwardSpec) -> list[str]:
-    facts, lines = spec.facts, []
+    facts = spec.facts
+    lines = [f"{CALL} = {RT}.begin(_hp_b)"]  # what this call's entry ops leave for its exit ops
     names = list(dict.fromkeys(op.name for op in spec.decision.in_ops))
     for name in names:
         lines += [repr(op.describe()) for op in spec.decision.in_ops if op.name == name]
         if name in facts.param_names:
-            lines.append(f"{name} = {RT}.enter(_hp_b, {name!r}, {name})")
+            lines.append(f"{name} = {RT}.enter(_hp_b, {name!r}, {name}, {CALL})")
         elif not spec.synthesised:
             kw = facts.kwarg
-            entered = f"{RT}.enter(_hp_b, {name!r}, {kw}[{name!r}])"
+            entered = f"{RT}.enter(_hp_b, {name!r}, {kw}[{name!r}], {CALL})"
             lines += [f"if {name!r} in {kw}:", f"    {kw}[{name!r}] = {entered}"]
     if spec.synthesised and names:
         star, dstar = facts.vararg, facts.kwarg
-        lines.append(f"{star}, {dstar} = {RT}.enter_call(_hp_b, super().forward, {star}, {dstar})")
+        lines.append(f"{star}, {dstar} = {RT}.enter_call(_hp_b, super().forward, {star}, {dstar}, {CALL})")
     return lines
 
 
@@ -138,7 +139,7 @@ def generic_exit(spec: ForwardSpec) -> list[str]:
     notes = [repr(op.describe()) for op in spec.decision.out_ops]
     if spec.deferred_bias:
         notes.append(repr("output: deferred biases are added by exit, once, after the reduction"))
-    return [*notes, f"_hp_out = {RT}.exit(_hp_b, _hp_out)"]
+    return [*notes, f"_hp_out = {RT}.exit(_hp_b, _hp_out, {CALL})"]
 
 
 def forward_body(spec: ForwardSpec) -> list[str]:

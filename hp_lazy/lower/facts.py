@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from typing import Literal
 
 from hp_lazy.errors import LoweringError
+from hp_lazy.names import RESERVED_PREFIXES
 
 ParamKind = Literal["positional_only", "positional", "keyword_only"]
 ReturnKind = Literal["tuple", "value", "bare", "starred", "list"]
-RESERVED_PREFIXES: tuple[str, ...] = ("_hp_", "__hp_")
 IMPL_NAME = "_forward_impl"
 
 

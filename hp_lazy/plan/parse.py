@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import Any, TypedDict, cast
 
 from hp_lazy.errors import PlanError
+from hp_lazy.names import RESERVED_PREFIXES
 from hp_lazy.plan.fqn import check_glob, is_glob
 from hp_lazy.plan.model import (
     INNER_CALLS,
@@ -42,7 +43,6 @@ INNER_KEYS = ("call", "kind")
 REGION_KEYS = ("kind",)
 AUTO_KEYS = ("tp", "sequence_parallel", "loss_parallel", "vocab_parallel_embedding")
 AUTO_MODULES = ("transformers.models.*.modeling_*",)
-RESERVED_PREFIXES = ("_hp_", "__hp_")
 _PATTERN_SEGMENT = re.compile(r"^[\w*?\[\]!-]+$")
 
 

@@ -1,8 +1,9 @@
 """Per-instance bindings: what a lowered forward reads from ``self._hp_b``.
 
-A :class:`Binding` holds the groups of the mesh axes, the deferred biases, and the compiled entry
-and exit ops of the instance's contract (used by the generic form and by leaves; the static form
-writes its ops inline and only reads the groups).
+A :class:`Binding` holds the groups of the mesh axes (``_hp_b.tp`` in lowered code), the deferred
+biases (by owner module and name: the Parameter objects may be swapped, e.g. by FSDP2), and the
+compiled entry and exit ops of the instance's contract (used by the generic form and by leaves;
+the static form writes its ops inline and only reads the groups).
 """
 
 from __future__ import annotations
@@ -14,17 +15,25 @@ import torch
 from torch import nn
 
 from hp_lazy.errors import ShardingError
-from hp_lazy.lower.classify import transition_op
 from hp_lazy.plan.model import Contract
 from hp_lazy.plan.placement import AXES
-from hp_lazy.runtime import collectives
+from hp_lazy.plan.transitions import output_index, transition_op
+from hp_lazy.runtime.comm import pairs as collectives
 from hp_lazy.runtime.mesh import Group
 
-TensorOp = Callable[[torch.Tensor], torch.Tensor]
+
+class CallContext:
+    """What one call of a boundary carries from its entry ops to its exit ops (expert
+    parallel's splits and permutation, context parallel's layout); tensor parallel's ops keep
+    nothing in it. One per call: a module called re-entrantly gets one per call."""
+
+    __slots__ = ("state",)
+
+    def __init__(self) -> None:
+        self.state: dict[str, Any] = {}
 
 
-def _output_index(key: str) -> int:
-    return 0 if key == "output" else int(key.split(".", 1)[1])
+TensorOp = Callable[[torch.Tensor, CallContext], torch.Tensor]
 
 
 def compile_ops(
@@ -47,7 +56,7 @@ def compile_ops(
             if op is not None:
                 chain.append(_bind_op(op, group))
         if chain:
-            ops[name if entry else _output_index(name)] = tuple(chain)
+            ops[name if entry else output_index(name)] = tuple(chain)
     return ops
 
 
@@ -55,7 +64,7 @@ def _bind_op(op: Any, group: Group) -> TensorOp:
     fn = getattr(collectives, op.call)
     dims = tuple(op.dims)
 
-    def run(x: torch.Tensor) -> torch.Tensor:
+    def run(x: torch.Tensor, ctx: CallContext) -> torch.Tensor:
         return fn(x, group, *dims)
 
     run.__qualname__ = f"{op.call}{dims or ''}@{group.axis}"
@@ -71,22 +80,24 @@ class Binding:
     groups: Mapping[str, Group]
     in_ops: Mapping[str, tuple[TensorOp, ...]] = field(default_factory=dict)
     out_ops: Mapping[int, tuple[TensorOp, ...]] = field(default_factory=dict)
-    deferred_biases: tuple[nn.Parameter, ...] = ()
-    compute: Callable[..., Any] | None = None
+    deferred_biases: tuple[tuple[nn.Module, str], ...] = ()
+    """(owner, name) of each rowwise bias added after the reduction."""
 
     def __post_init__(self) -> None:
-        # ``_hp_b.tp`` / ``_hp_b.tp_enable`` in lowered code: plain attributes, no lookup logic
-        for axis in AXES:
-            group = self.groups.get(axis)
-            self.__dict__[axis] = group
-            self.__dict__[f"{axis}_enable"] = group is not None and group.size > 1
+        for axis in AXES:  # ``_hp_b.tp`` in lowered code: a plain attribute, no lookup logic
+            self.__dict__[axis] = self.groups.get(axis)
 
-    def enter(self, name: str, value: Any) -> Any:
+    def enter(self, name: str, value: Any, ctx: CallContext | None = None) -> Any:
+        """The entry ops of input ``name``; ``ctx`` is this call's (a fresh one when the caller
+        keeps none: leaves and the layer stack, whose ops are stateless)."""
+        ctx = ctx or CallContext()
         for op in self.in_ops.get(name, ()):
-            value = op(value)
+            value = op(value, ctx)
         return value
 
-    def exit(self, outputs: Any) -> Any:
+    def exit(self, outputs: Any, ctx: CallContext | None = None) -> Any:
+        """Every exit op, by output position, then the deferred biases."""
+        ctx = ctx or CallContext()
         if not self.out_ops:
             return outputs
         if isinstance(outputs, tuple):
@@ -97,7 +108,7 @@ class Binding:
                         f"{self.fqn}: the contract places output.{index} but forward returned "
                         f"{len(items)} values; fix the plan's out_src/out_dst keys"
                     )
-                items[index] = _run(chain, items[index])
+                items[index] = _run(chain, items[index], ctx)
             if 0 in self.out_ops:
                 items[0] = add_deferred_bias(items[0], self)
             return type(outputs)(items) if type(outputs) is tuple else type(outputs)(*items)
@@ -106,16 +117,16 @@ class Binding:
                 f"{self.fqn}: the contract places tuple positions {sorted(self.out_ops)} but forward "
                 f"returned a single {type(outputs).__name__}; use the key 'output'"
             )
-        return add_deferred_bias(_run(self.out_ops[0], outputs), self)
+        return add_deferred_bias(_run(self.out_ops[0], outputs, ctx), self)
 
 
-def _run(chain: tuple[TensorOp, ...], value: Any) -> Any:
+def _run(chain: tuple[TensorOp, ...], value: Any, ctx: CallContext) -> Any:
     for op in chain:
-        value = op(value)
+        value = op(value, ctx)
     return value
 
 
 def add_deferred_bias(x: torch.Tensor, binding: Binding) -> torch.Tensor:
-    for bias in binding.deferred_biases:
-        x = x + bias
+    for owner, name in binding.deferred_biases:
+        x = x + owner._parameters[name]
     return x

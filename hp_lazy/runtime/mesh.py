@@ -1,9 +1,14 @@
 """Process groups and the device mesh.
 
-The mesh spans the launcher's world (torchrun env) with named axes, outermost first, in the order
-``("dp", "cp", "ep", "tp")``, restricted to the axes whose degree is above 1; ``tp`` is innermost,
-so a tp group is a run of consecutive ranks. ``dp`` is whatever the other degrees leave:
-``dp = world / (cp * ep * tp)``.
+The mesh spans the launcher's world (torchrun env): ``world = dp * cp * tp``, axes outermost
+first, restricted to those whose degree is above 1; ``tp`` is innermost, so a tp group is a run of
+consecutive ranks, and ``dp`` is whatever the other degrees leave (``dp = world / (cp * tp)``).
+
+``ep`` is not a factor of the world: an expert-parallel group is carved out of the ranks that hold
+different tokens (``dp * cp``, as in torchtitan and Megatron), so ``ep`` must divide ``dp * cp``;
+the ep group of a rank is its run of ``ep`` consecutive ranks among those with its tp rank.
+:meth:`Mesh.group_of` gives the group spanning several axes at once (the gradient owner sums a
+partial gradient over ``("dp", "tp")`` in one all-reduce).
 
 Building a mesh is a collective (``init_device_mesh`` creates sub-groups): every rank must call
 :func:`get_mesh` with the same degrees, in the same order relative to other collectives. At world
@@ -27,7 +32,9 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 AXES: tuple[str, ...] = ("dp", "cp", "ep", "tp")
-"""Mesh axes, outermost first."""
+"""Plan axes, in the plan's order."""
+WORLD_AXES: tuple[str, ...] = ("dp", "cp", "tp")
+"""The axes that factor the world, outermost first (the device mesh dims)."""
 
 _ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _MESHES: dict[tuple[tuple[str, int], ...], "Mesh"] = {}
@@ -93,7 +100,7 @@ def mesh_shape(degrees: Mapping[str, int], world: int) -> tuple[tuple[str, int],
     ``{"tp": 2}`` at world 8 -> ``(("dp", 4), ("tp", 2))``. Axes of degree 1 are left out.
     """
     _check_degrees(degrees)
-    others = {axis: int(n) for axis, n in degrees.items() if axis != "dp"}
+    others = {axis: int(n) for axis, n in degrees.items() if axis not in ("dp", "ep")}
     product = math.prod(others.values())
     spelled = " * ".join(f"{a}={n}" for a, n in others.items()) or "1"
     if "dp" in degrees:
@@ -113,7 +120,18 @@ def mesh_shape(degrees: Mapping[str, int], world: int) -> tuple[tuple[str, int],
             )
         dp = world // product
     sizes = {**others, "dp": dp}
-    return tuple((axis, sizes[axis]) for axis in AXES if sizes.get(axis, 1) > 1)
+    _check_ep(degrees, dp * sizes.get("cp", 1))
+    return tuple((axis, sizes[axis]) for axis in WORLD_AXES if sizes.get(axis, 1) > 1)
+
+
+def _check_ep(degrees: Mapping[str, int], token_ranks: int) -> None:
+    ep = int(degrees.get("ep", 1))
+    if token_ranks % ep:
+        raise ShardingError(
+            f"hp_lazy mesh {dict(degrees)}: ep={ep} does not divide dp * cp = {token_ranks}, the ranks that "
+            f"hold different tokens (an expert-parallel group is carved out of them); use an ep in "
+            f"{[d for d in range(1, token_ranks + 1) if token_ranks % d == 0]}"
+        )
 
 
 def _check_degrees(degrees: Mapping[str, int]) -> None:
@@ -130,15 +148,21 @@ def _check_degrees(degrees: Mapping[str, int]) -> None:
 
 @dataclass(frozen=True)
 class Mesh:
-    """The named axes over the world; ``device_mesh`` is ``None`` when every axis has size 1."""
+    """The named axes over the world; ``device_mesh`` is ``None`` when every axis has size 1.
+
+    ``shape`` holds the world's factors (``dp``, ``cp``, ``tp``); ``ep`` is the expert-parallel
+    degree carved out of ``dp * cp`` (1 when there is none).
+    """
 
     shape: tuple[tuple[str, int], ...]
     world: int
     device_mesh: DeviceMesh | None = field(default=None, compare=False)
+    ep: int = 1
+    _groups: dict[tuple[str, ...], Group] = field(default_factory=dict, compare=False, repr=False)
 
     def degree(self, axis: str) -> int:
         """Size of ``axis`` (1 for an axis not in the mesh)."""
-        return dict(self.shape).get(axis, 1)
+        return self.ep if axis == "ep" else dict(self.shape).get(axis, 1)
 
     def group(self, axis: str) -> Group:
         """This rank's group along ``axis``; :meth:`Group.solo` for an axis of size 1."""
@@ -146,8 +170,60 @@ class Mesh:
             raise ShardingError(f"hp_lazy mesh: axis {axis!r} is unknown; use one of {AXES}")
         if self.degree(axis) == 1 or self.device_mesh is None:
             return Group.solo(axis)
+        if axis == "ep":
+            return self._enumerated(("ep",), self._ep_runs())
         pg = self.device_mesh.get_group(axis)
         return Group(axis=axis, pg=pg, size=self.degree(axis), rank=self.device_mesh.get_local_rank(axis))
+
+    def group_of(self, axes: tuple[str, ...], *, dedicated: bool = False) -> Group:
+        """This rank's group spanning the world axes ``axes`` together (ranks in mesh order).
+
+        ``dedicated``: a process group of its own (the gradient owner's all-reduces run
+        asynchronously during backward and must not queue behind, or between, the forward and
+        backward collectives of the same ranks). Building one is a collective the first time:
+        every rank must ask for the same ``axes`` in the same order.
+        """
+        used = tuple(a for a in WORLD_AXES if a in axes and self.degree(a) > 1)
+        unknown = [a for a in axes if a not in WORLD_AXES]
+        if unknown:
+            raise ShardingError(f"hp_lazy mesh: group_of{axes}: {unknown} do not factor the world; use axes from {WORLD_AXES}")
+        if not used:
+            return Group.solo("+".join(axes) or "none")
+        if len(used) == 1 and not dedicated:
+            return self.group(used[0])
+        key = (*used, "dedicated") if dedicated else used
+        return self._enumerated(key, self._runs(used), reuse_world=not dedicated)
+
+    def _runs(self, axes: tuple[str, ...]) -> list[list[int]]:
+        assert self.device_mesh is not None
+        names = [a for a, _ in self.shape]
+        ranks = self.device_mesh.mesh
+        keep = [names.index(a) for a in axes]
+        rest = [i for i in range(len(names)) if i not in keep]
+        return ranks.permute(*rest, *keep).reshape(-1, math.prod(self.degree(a) for a in axes)).tolist()
+
+    def _ep_runs(self) -> list[list[int]]:
+        token_axes = tuple(a for a in ("dp", "cp") if self.degree(a) > 1)
+        runs = self._runs(token_axes) if len(token_axes) > 1 else self._axis_runs(token_axes[0])
+        return [run[i : i + self.ep] for run in runs for i in range(0, len(run), self.ep)]
+
+    def _axis_runs(self, axis: str) -> list[list[int]]:
+        return self._runs((axis,)) if self.device_mesh is not None else []
+
+    def _enumerated(self, axes: tuple[str, ...], runs: list[list[int]], reuse_world: bool = True) -> Group:
+        found = self._groups.get(axes)
+        if found is not None:
+            return found
+        me = dist.get_rank()
+        if reuse_world and len(runs) == 1 and len(runs[0]) == self.world:
+            pg = dist.group.WORLD
+        else:
+            pg, _ = dist.new_subgroups_by_enumeration(runs)
+        mine = next(run for run in runs if me in run)
+        name = "+".join(a for a in axes if a != "dedicated")
+        group = Group(axis=name, pg=pg, size=len(mine), rank=mine.index(me))
+        self._groups[axes] = group
+        return group
 
 
 def get_mesh(degrees: Mapping[str, int]) -> Mesh:
@@ -157,39 +233,23 @@ def get_mesh(degrees: Mapping[str, int]) -> Mesh:
     process (see :func:`ensure_process_group`). Every rank must call it with the same degrees.
     """
     _check_degrees(degrees)
-    wanted = math.prod(int(n) for n in degrees.values())
+    wanted = math.prod(int(n) for a, n in degrees.items() if a != "ep")
     world = ensure_process_group(wanted)
     key = (*sorted((a, int(n)) for a, n in degrees.items()), ("world", world))
     mesh = _MESHES.get(key)
     if mesh is None:
-        mesh = _build(mesh_shape(degrees, world), world)
+        mesh = _build(mesh_shape(degrees, world), world, int(degrees.get("ep", 1)))
         _MESHES[key] = mesh
     return mesh
 
 
-def _build(shape: tuple[tuple[str, int], ...], world: int) -> Mesh:
+def _build(shape: tuple[tuple[str, int], ...], world: int, ep: int) -> Mesh:
     if not shape:
-        return Mesh(shape=shape, world=world)
+        return Mesh(shape=shape, world=world, ep=ep)
     from torch.distributed.device_mesh import init_device_mesh
 
     device_type = "cuda" if "nccl" in str(dist.get_backend()) else "cpu"
     device_mesh = init_device_mesh(
         device_type, tuple(n for _, n in shape), mesh_dim_names=tuple(a for a, _ in shape)
     )
-    return Mesh(shape=shape, world=world, device_mesh=device_mesh)
-
-
-def clear_mesh_cache() -> None:
-    """Forget the built meshes (after ``destroy_process_group``; tests)."""
-    _MESHES.clear()
-
-
-def mesh() -> Mesh:
-    """The mesh of the active plan (``hp_lazy.mesh()``): its ``group("dp").pg`` is the process
-    group to give DDP/FSDP, ``device_mesh`` the torch ``DeviceMesh`` with named axes."""
-    from hp_lazy.hook.api import active_plan
-
-    plan = active_plan()
-    if plan is None:
-        raise ShardingError("hp_lazy.mesh(): no plan is active; call hp_lazy.activate(plan) first")
-    return get_mesh(dict(plan.mesh))
+    return Mesh(shape=shape, world=world, device_mesh=device_mesh, ep=ep)

@@ -11,8 +11,9 @@ from typing import Any, NoReturn
 from torch import nn
 
 from hp_lazy.errors import ShardingError
-from hp_lazy.runtime.binding import Binding, add_deferred_bias
-from hp_lazy.runtime.collectives import (
+from hp_lazy.names import BOUND, GRADS_ATTR
+from hp_lazy.runtime.binding import Binding, CallContext, add_deferred_bias
+from hp_lazy.runtime.comm import (
     all_to_all,
     copy_to,
     gather_from,
@@ -25,6 +26,7 @@ from hp_lazy.runtime.collectives import (
 __all__ = [
     "add_deferred_bias",
     "all_to_all",
+    "begin",
     "copy_to",
     "ensure_parallel",
     "enter",
@@ -35,7 +37,6 @@ __all__ = [
     "install_root",
     "reduce_from",
     "reduce_scatter_to",
-    "region",
     "scatter_to",
     "unbound",
 ]
@@ -66,11 +67,14 @@ def unbound(qualname: str) -> Unbound:
 
 
 def ensure_parallel(module: nn.Module) -> None:
-    """Root prologue: bind the model on its first forward; a dict lookup afterwards."""
-    if "_hp_bound" not in module.__dict__:
+    """Root prologue: bind the model on its first forward; two dict lookups afterwards."""
+    if BOUND not in module.__dict__:
         from hp_lazy.runtime.bind import parallelize
 
         parallelize(module)
+    owner = module.__dict__.get(GRADS_ATTR)
+    if owner is not None:
+        owner.check(module)
 
 
 def install_root(cls: type) -> None:
@@ -87,12 +91,17 @@ def install_root(cls: type) -> None:
     cls.forward = forward
 
 
-def enter(binding: Binding, name: str, value: Any) -> Any:
+def begin(binding: Binding) -> CallContext:
+    """Generic form: the context of one call, carried from its entry ops to its exit ops."""
+    return CallContext()
+
+
+def enter(binding: Binding, name: str, value: Any, call: CallContext) -> Any:
     """Generic form: the entry ops of input ``name``."""
-    return binding.enter(name, value)
+    return binding.enter(name, value, call)
 
 
-def enter_call(binding: Binding, fn: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+def enter_call(binding: Binding, fn: Any, args: tuple, kwargs: dict, call: CallContext) -> tuple[tuple, dict]:
     """Generic form of a forward inherited from another module: the entry ops of the declared
     inputs, found by name in ``fn``'s signature."""
     import inspect
@@ -100,20 +109,10 @@ def enter_call(binding: Binding, fn: Any, args: tuple, kwargs: dict) -> tuple[tu
     bound = inspect.signature(fn).bind_partial(*args, **kwargs)
     for name in binding.in_ops:
         if name in bound.arguments:
-            bound.arguments[name] = binding.enter(name, bound.arguments[name])
+            bound.arguments[name] = binding.enter(name, bound.arguments[name], call)
     return bound.args, bound.kwargs
 
 
-def exit(binding: Binding, outputs: Any) -> Any:  # noqa: A001 - the contract's name
+def exit(binding: Binding, outputs: Any, call: CallContext) -> Any:  # noqa: A001 - the contract's name
     """Generic form: every exit op, by output position, plus deferred biases."""
-    return binding.exit(outputs)
-
-
-def region(module: nn.Module, binding: Binding, *args: Any, **kwargs: Any) -> Any:
-    """Region form: the injection's local compute function replaces the body."""
-    if binding.compute is None:
-        raise ShardingError(
-            f"{binding.fqn}: the region form needs an injection with 'local_compute_fn' (a dotted path to "
-            "fn(module, *args, **kwargs)); add it to the plan's injections"
-        )
-    return binding.compute(module, *args, **kwargs)
+    return binding.exit(outputs, call)

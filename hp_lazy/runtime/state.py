@@ -1,8 +1,10 @@
 """Full (unsharded) tensors of a parallel model, on every rank: for saving and for parity checks.
 
-Both helpers are collectives: every rank of the model's groups must call them.
-``model.save_pretrained(path, state_dict=hp_lazy.full_state_dict(model))`` on rank 0 writes a
-checkpoint the plain model loads.
+Both helpers are collectives: every rank of the model's groups must call them. They read the
+layout table of every bound root inside ``model`` (``model`` itself, or wrapped in DDP, where the
+names carry DDP's ``module.`` prefix); a tensor FSDP2 holds as a DTensor is gathered over its own
+mesh first. ``model.save_pretrained(path, state_dict=hp_lazy.full_state_dict(model))`` on rank 0
+writes a checkpoint the plain model loads.
 """
 
 from __future__ import annotations
@@ -10,29 +12,41 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hp_lazy.runtime.shard import ShardSpec, full_tensor
+from hp_lazy.runtime.layout import LayoutTable, ParamLayout, tables
 
 
-def _full(tensor: torch.Tensor, spec: ShardSpec | None) -> torch.Tensor:
-    if spec is None:
-        return tensor.detach().clone()
-    return full_tensor(tensor, spec)
+def _layouts(model: nn.Module) -> tuple[dict[str, ParamLayout], LayoutTable | None]:
+    found: dict[str, ParamLayout] = {}
+    last = None
+    for prefix, table in tables(model):
+        last = table
+        for fqn in table:
+            layout = table.get(fqn)
+            assert layout is not None
+            found[prefix + fqn] = layout
+    return found, last
+
+
+def _full(tensor: torch.Tensor, layout: ParamLayout | None, table: LayoutTable | None) -> torch.Tensor:
+    tensor = tensor.detach()
+    if hasattr(tensor, "full_tensor"):  # an FSDP2 DTensor: gather over its own (dp) mesh first
+        tensor = tensor.full_tensor()
+    if layout is None or table is None:
+        return tensor.clone()
+    return layout.gather(tensor, table.groups)
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """``model.state_dict()`` with every sharded parameter gathered to its full shape."""
-    params = {id(p): p for p in model.parameters()}
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in model.state_dict(keep_vars=True).items():
-        spec = getattr(params.get(id(tensor)), "_hp_shard", None)
-        out[name] = _full(tensor, spec)
-    return out
+    layouts, table = _layouts(model)
+    return {name: _full(t, layouts.get(name), table) for name, t in model.state_dict().items()}
 
 
 def full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
     """Parameter FQN -> full gradient (parameters without a gradient are left out)."""
+    layouts, table = _layouts(model)
     return {
-        name: _full(param.grad, getattr(param, "_hp_shard", None))
+        name: _full(param.grad, layouts.get(name), table)
         for name, param in model.named_parameters()
         if param.grad is not None
     }

@@ -12,11 +12,12 @@ class Star:
         if _hp_b is None:
             return self._forward_impl(hidden_states, *args, **kwargs)
         'generic form: forward takes *args'
+        _hp_call = __hp_rt__.begin(_hp_b)
         'hidden_states: tp S(1) -> R ==> gather_from(1)'
-        hidden_states = __hp_rt__.enter(_hp_b, 'hidden_states', hidden_states)
+        hidden_states = __hp_rt__.enter(_hp_b, 'hidden_states', hidden_states, _hp_call)
         _hp_out = self._forward_impl(hidden_states, *args, **kwargs)
         'output: tp R -> S(1) ==> scatter_to(1)'
-        _hp_out = __hp_rt__.exit(_hp_b, _hp_out)
+        _hp_out = __hp_rt__.exit(_hp_b, _hp_out, _hp_call)
         return _hp_out
 
 class Bare:
@@ -34,9 +35,10 @@ class Bare:
         if _hp_b is None:
             return self._forward_impl(x, out)
         'generic form: forward can return without a value (line 10); the output layout is not fixed by the returns (bare, value)'
+        _hp_call = __hp_rt__.begin(_hp_b)
         _hp_out = self._forward_impl(x, out)
         'output: tp P(sum) -> R ==> reduce_from'
-        _hp_out = __hp_rt__.exit(_hp_b, _hp_out)
+        _hp_out = __hp_rt__.exit(_hp_b, _hp_out, _hp_call)
         return _hp_out
 
 class ViaKwargs:
@@ -51,11 +53,12 @@ class ViaKwargs:
         if _hp_b is None:
             return self._forward_impl(hidden_states, **kwargs)
         "generic form: inputs ['mask'] are not named forward parameters"
+        _hp_call = __hp_rt__.begin(_hp_b)
         'mask: tp S(1) -> R ==> gather_from(1)'
         if 'mask' in kwargs:
-            kwargs['mask'] = __hp_rt__.enter(_hp_b, 'mask', kwargs['mask'])
+            kwargs['mask'] = __hp_rt__.enter(_hp_b, 'mask', kwargs['mask'], _hp_call)
         _hp_out = self._forward_impl(hidden_states, **kwargs)
         'output: tp P(sum) -> R ==> reduce_from'
         'output: deferred biases are added by exit, once, after the reduction'
-        _hp_out = __hp_rt__.exit(_hp_b, _hp_out)
+        _hp_out = __hp_rt__.exit(_hp_b, _hp_out, _hp_call)
         return _hp_out

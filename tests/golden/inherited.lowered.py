@@ -50,11 +50,12 @@ class GrandChild(UsesSuper):
         if _hp_b is None:
             return self._forward_impl(*args, **kwargs)
         "generic form: forward takes *args; inputs ['hidden_states'] are not named forward parameters"
+        _hp_call = __hp_rt__.begin(_hp_b)
         'hidden_states: tp R -> R into sharded params ==> copy_to'
-        args, kwargs = __hp_rt__.enter_call(_hp_b, super().forward, args, kwargs)
+        args, kwargs = __hp_rt__.enter_call(_hp_b, super().forward, args, kwargs, _hp_call)
         _hp_out = self._forward_impl(*args, **kwargs)
         'output: tp P(sum) -> R ==> reduce_from'
-        _hp_out = __hp_rt__.exit(_hp_b, _hp_out)
+        _hp_out = __hp_rt__.exit(_hp_b, _hp_out, _hp_call)
         return _hp_out
 
 class Elsewhere(collections.OrderedDict):
@@ -70,11 +71,12 @@ class Elsewhere(collections.OrderedDict):
         if _hp_b is None:
             return self._forward_impl(*args, **kwargs)
         "generic form: forward takes *args; inputs ['hidden_states'] are not named forward parameters"
+        _hp_call = __hp_rt__.begin(_hp_b)
         'hidden_states: tp R -> R into sharded params ==> copy_to'
-        args, kwargs = __hp_rt__.enter_call(_hp_b, super().forward, args, kwargs)
+        args, kwargs = __hp_rt__.enter_call(_hp_b, super().forward, args, kwargs, _hp_call)
         _hp_out = self._forward_impl(*args, **kwargs)
         'output: tp P(sum) -> R ==> reduce_from'
-        _hp_out = __hp_rt__.exit(_hp_b, _hp_out)
+        _hp_out = __hp_rt__.exit(_hp_b, _hp_out, _hp_call)
         return _hp_out
 
 class Model(Base):

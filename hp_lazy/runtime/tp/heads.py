@@ -4,7 +4,7 @@ counts a module keeps (``num_key_value_groups`` and friends) after its projectio
 Attention code that reshapes with ``-1`` needs nothing; a module that caches a head count gets it
 divided here. With ``num_key_value_heads`` < tp, each K/V head is kept on ``tp / kv`` ranks
 (those whose query heads use it); its gradient is summed over them by
-:class:`hp_lazy.runtime.gradsum.GradSum`.
+the gradient owner (:mod:`hp_lazy.runtime.grads`).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from torch import nn
 
 from hp_lazy.errors import ShardingError
 from hp_lazy.plan.model import Contract
+from hp_lazy.plan.placement import Shard
 from hp_lazy.runtime.mesh import Group
 
 _HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_heads")
@@ -44,7 +45,7 @@ def _head_counts(module: nn.Module) -> tuple[int, int, int] | None:
 def _tp_sharded_rows(contract: Contract) -> list[str]:
     return [
         name for name, placements in contract.params.items()
-        if (p := placements.get("tp")) is not None and p.kind == "S" and p.dim == 0
+        if (p := placements.get("tp")) is not None and type(p) is Shard and p.dim == 0
     ]
 
 
@@ -71,7 +72,7 @@ def kv_replicas(fqn: str, module: nn.Module, contract: Contract, groups: Mapping
     for name in _tp_sharded_rows(contract):
         param = _param(module, name)
         if param is not None and param.shape[0] == kv * head_dim:
-            replicas[name] = tp // kv  # its gradient is summed over the replicas (bind -> GradSum)
+            replicas[name] = tp // kv  # its gradient is summed over the replicas (tp style -> gradient owner)
     return replicas
 
 

@@ -1,0 +1,43 @@
+"""Every name hp_lazy generates into lowered code or attaches to modules, in one place.
+
+Lowered code and the runtime meet only through these names; ``tests/test_names.py`` checks that
+every runtime call the emitter can generate exists in :mod:`hp_lazy.runtime.rt` and that nothing
+else in the package spells these strings.
+"""
+
+from __future__ import annotations
+
+RESERVED_PREFIXES: tuple[str, ...] = ("_hp_", "__hp_")
+"""No plan name may start with these: they belong to hp_lazy."""
+
+# -- in lowered code
+RT = "__hp_rt__"
+"""The runtime module (``hp_lazy.runtime.rt``) as lowered modules see it."""
+RT_MODULE = "hp_lazy.runtime.rt"
+INFO = "__hp_lazy__"
+"""Module global: what the module was lowered under (plan hash, source sha256)."""
+BINDING = "_hp_b"
+"""Class default / instance attribute: the boundary's :class:`~hp_lazy.runtime.binding.Binding`."""
+FORM = "_hp_form"
+"""Class attribute: the form the lowerer chose (``identity`` classes have none)."""
+OUT = "_hp_out"
+"""Local of a lowered forward: the original body's return value."""
+CALL = "_hp_call"
+"""Local of a generic-form forward: the :class:`~hp_lazy.runtime.binding.CallContext` of this call."""
+IMPL = "_forward_impl"
+"""The original forward, kept verbatim."""
+
+# -- attached at run time
+BOUND = "_hp_bound"
+"""Module ``__dict__`` key: the model (and each lowered module in it) is bound."""
+LAYOUT_ATTR = "_hp_layout"
+"""Bound root's ``__dict__`` key: its :class:`~hp_lazy.runtime.layout.LayoutTable`."""
+GRADS_ATTR = "_hp_grads"
+"""Bound root's ``__dict__`` key: its gradient owner."""
+LEAF_INPUTS = "_hp_inputs"
+"""Leaf modules: (input name, position) pairs their entry ops apply to."""
+VOCAB_RANGE = "_hp_vocab"
+"""Vocab-parallel embedding: the ``[start, end)`` rows it holds."""
+
+GENERATED: frozenset[str] = frozenset({RT, INFO, BINDING, FORM, OUT, CALL})
+ATTACHED: frozenset[str] = frozenset({BOUND, LAYOUT_ATTR, GRADS_ATTR, LEAF_INPUTS, VOCAB_RANGE})

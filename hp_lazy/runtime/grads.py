@@ -1,0 +1,366 @@
+"""The gradient owner: the one place that decides, for every parameter, which ranks' gradient
+contributions are summed, what the sum is divided by, and when.
+
+Rules, per parameter (a :class:`GradRule`; the styles say which parameters are partial sums):
+
+- a partial sum over an axis (Qwen3's q/k norms between a colwise and a rowwise Linear: each tp
+  rank normalises its own heads; norms and biases on sequence-sharded activations): summed over
+  that axis;
+- a shard held by several ranks of an axis (a K/V head kept on ``tp / kv`` ranks): summed over
+  those ranks only, by stacking it into its piece's slot of a zero stack, so one all-reduce over
+  the whole axis sums every piece at once;
+- with data parallel ranks (``dp > 1``) and ``data_parallel=True`` (the default): every parameter
+  is also averaged over dp, DDP's convention, so after ``loss.backward()`` on each data rank's own
+  part of the batch every gradient equals one process's gradient of the mean loss over the
+  concatenated global batch. A partial sum over tp and the dp average are one all-reduce over the
+  ``dp x tp`` ranks, divided by dp.
+
+When (:class:`BucketReducer`, hp_lazy owns every reduction): parameters are grouped into buckets
+per (group, dtype, device), in reverse registration order (about the order backward produces
+them), capped at ``bucket_cap_mb``. When a bucket's last gradient is accumulated its all-reduce
+starts (asynchronously, during backward; buckets start in one fixed order on every rank); the
+end-of-backward callback starts the rest, waits, and writes the results back. What is reduced is
+the gradient accumulated since the last reduction: under :func:`no_sync` nothing is sent and the
+next synchronised backward reduces the sum of the micro-batches (DDP's ``no_sync``); a ``.grad``
+that existed before (accumulation without ``no_sync``, or no ``zero_grad``) is kept and the
+reduced contribution added to it. Each bucket carries one extra element per parameter, set to 1
+by a rank that produced a gradient: a parameter no rank used keeps ``grad = None`` (as in one
+process), one used by another rank only gets the reduced gradient (zeros included) rather than
+``None``.
+
+With ``data_parallel=False`` (torch DDP or FSDP2 own dp) only the partial sums are done, by
+:class:`EagerSums`, inside the gradient hook, before autograd accumulates the gradient, so DDP's
+reducer and FSDP2's reduce-scatter see the summed value; the hook is (re)attached to whatever
+tensor the owning module holds when it runs (FSDP2 swaps the Parameter objects).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Mapping
+
+import torch
+from torch import nn
+
+from hp_lazy.errors import ShardingError
+from hp_lazy.names import GRADS_ATTR
+from hp_lazy.runtime.comm import wire
+from hp_lazy.runtime.mesh import Group, Mesh
+
+__all__ = ["GradOwner", "GradRule", "no_sync"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class GradRule:
+    """Sum the gradient over the ranks of ``axes`` (world axes), then divide by ``average``;
+    with ``slots > 1`` only ranks holding the same piece (``slot``) are summed."""
+
+    axes: tuple[str, ...]
+    average: int = 1
+    slots: int = 1
+    slot: int = 0
+
+    def describe(self) -> str:
+        held = f" (piece {self.slot} of {self.slots})" if self.slots > 1 else ""
+        mean = f", / {self.average}" if self.average > 1 else ""
+        return f"sum over {'x'.join(self.axes)}{held}{mean}"
+
+
+def owner_of(root: nn.Module) -> "GradOwner | None":
+    return root.__dict__.get(GRADS_ATTR)
+
+
+@contextlib.contextmanager
+def no_sync(model: nn.Module) -> Iterator[None]:
+    """Accumulate gradients locally inside the block (micro-batches): the first backward after it
+    reduces everything accumulated, like DDP's ``no_sync``."""
+    owners = [o for m in model.modules() if (o := owner_of(m)) is not None]
+    for owner in owners:
+        owner.sync = False
+    try:
+        yield
+    finally:
+        for owner in owners:
+            owner.sync = True
+
+
+@dataclass(eq=False)
+class _Entry:
+    fqn: str
+    param: nn.Parameter
+    rule: GradRule
+    offset: int = 0
+    flag: int = 0  # index of its used-flag in the bucket
+    base: torch.Tensor | None = None  # copy of a .grad that existed before this window
+    in_window: bool = False  # this rank accumulated a contribution since the last reduction
+    ready: bool = False  # ... and it is in the bucket's buffer
+
+    @property
+    def numel(self) -> int:
+        return self.param.numel()
+
+    def contribution(self) -> torch.Tensor:
+        grad = self.param.grad
+        assert grad is not None
+        return grad if self.base is None else grad - self.base
+
+
+class _Bucket:
+    """Parameters reduced in one all-reduce: ``[slots*numel for each] + [one flag each]``."""
+
+    def __init__(self, entries: list[_Entry], group: Group) -> None:
+        self.entries, self.group = entries, group
+        offset = 0
+        for entry in entries:
+            entry.offset = offset
+            offset += entry.rule.slots * entry.numel
+        for i, entry in enumerate(entries):
+            entry.flag = offset + i
+        self.numel = offset + len(entries)
+        self.buffer: torch.Tensor | None = None
+        self.pending: wire.Pending | None = None
+        self.waiting = len(entries)
+
+    def fill(self, entry: _Entry) -> None:
+        grad = entry.contribution()
+        if self.buffer is None:
+            self.buffer = grad.new_zeros(self.numel)
+        size, rule = entry.numel, entry.rule
+        start = entry.offset + rule.slot * size
+        self.buffer[start : start + size].copy_(grad.reshape(-1))
+        self.buffer[entry.flag] = 1
+        entry.ready = True
+        self.waiting -= 1
+
+    def launch(self) -> None:
+        for entry in self.entries:  # accumulated under no_sync only: not seen in this pass
+            if entry.in_window and not entry.ready and entry.param.grad is not None:
+                self.fill(entry)
+        if self.buffer is None:  # this rank produced none of these gradients: it sends zeros
+            first = self.entries[0].param
+            self.buffer = torch.zeros(self.numel, dtype=first.dtype, device=first.device)
+        self.pending = wire.all_reduce_async(self.buffer, self.group)
+
+    def write_back(self) -> None:
+        assert self.pending is not None
+        summed = self.pending.wait()
+        for entry in self.entries:
+            _write(entry, summed)
+        self.buffer, self.pending, self.waiting = None, None, len(self.entries)
+
+
+def _write(entry: _Entry, summed: torch.Tensor) -> None:
+    rule, param, size = entry.rule, entry.param, entry.numel
+    start = entry.offset + rule.slot * size
+    part = summed[start : start + size].view_as(param)
+    if rule.average > 1:
+        part = part / rule.average
+    if entry.ready:  # grad = what was there before + the reduced contribution
+        assert param.grad is not None
+        param.grad.copy_(part if entry.base is None else entry.base.add_(part))
+    elif param.grad is not None:  # unused on this rank: keep what was there
+        param.grad.add_(part)
+    elif summed[entry.flag] > 0:  # another rank used it: one process would have a gradient
+        param.grad = part.clone()
+    entry.base, entry.in_window, entry.ready = None, False, False
+
+
+class BucketReducer:
+    """hp_lazy owns every reduction (see the module docstring): bucketed, launched in backward."""
+
+    def __init__(self, entries: list[_Entry], groups: Callable[[tuple[str, ...]], Group], cap_bytes: int) -> None:
+        self.buckets = _bucketize(entries, groups, cap_bytes)
+        self.sync = True
+        self._armed = False
+        self._next = 0
+        for bucket in self.buckets:
+            for entry in bucket.entries:
+                entry.param.register_hook(self._pre(entry))
+                entry.param.register_post_accumulate_grad_hook(self._post(entry, bucket))
+
+    def _pre(self, entry: _Entry) -> Callable[[torch.Tensor], torch.Tensor]:
+        def hook(grad: torch.Tensor) -> torch.Tensor:
+            if not entry.in_window:  # first contribution since the last reduction
+                entry.in_window = True
+                grad_now = entry.param.grad
+                entry.base = None if grad_now is None else grad_now.detach().clone()
+            if self.sync and not self._armed:
+                self._armed = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+            return grad
+
+        return hook
+
+    def _post(self, entry: _Entry, bucket: _Bucket) -> Callable[[nn.Parameter], None]:
+        def hook(param: nn.Parameter) -> None:
+            if self.sync and not entry.ready:
+                bucket.fill(entry)
+                self._launch_ready()
+
+        return hook
+
+    def _launch_ready(self) -> None:
+        while self._next < len(self.buckets) and self.buckets[self._next].waiting == 0:
+            self.buckets[self._next].launch()
+            self._next += 1
+
+    def _finish(self) -> None:
+        """End of a synchronised backward: start what is left (in order), wait, write back."""
+        for bucket in self.buckets[self._next :]:
+            bucket.launch()
+        for bucket in self.buckets:
+            bucket.write_back()
+        self._armed, self._next = False, 0
+
+    @property
+    def launches_per_step(self) -> int:
+        return len(self.buckets)
+
+    def check_params(self, root: nn.Module) -> None:
+        for bucket in self.buckets:
+            entry = bucket.entries[0]
+            if root.get_parameter(entry.fqn) is not entry.param:
+                raise ShardingError(
+                    f"{entry.fqn}: this parameter was replaced after hp_lazy bound the model (by FSDP2's "
+                    "fully_shard?), so hp_lazy's gradient reduction would never see its gradient; with FSDP2 "
+                    "activate with data_parallel=False (FSDP2 then reduces over dp, hp_lazy only sums over tp)"
+                )
+
+
+def _bucketize(entries: list[_Entry], groups: Callable[[tuple[str, ...]], Group], cap_bytes: int) -> list[_Bucket]:
+    by_key: dict[tuple[Any, ...], list[list[_Entry]]] = {}
+    for entry in reversed(entries):  # about the order backward produces gradients
+        p = entry.param
+        runs = by_key.setdefault((entry.rule.axes, p.dtype, p.device), [[]])
+        size = sum(e.numel * e.rule.slots * p.element_size() for e in runs[-1])
+        if runs[-1] and size + entry.numel * entry.rule.slots * p.element_size() > cap_bytes:
+            runs.append([])
+        runs[-1].append(entry)
+    return [_Bucket(run, groups(key[0])) for key, runs in by_key.items() for run in runs]
+
+
+class EagerSums:
+    """Only the partial sums, inside the gradient hook (torch DDP or FSDP2 own dp)."""
+
+    def __init__(self, root: nn.Module, entries: list[_Entry], groups: Callable[[tuple[str, ...]], Group]) -> None:
+        self.sync = True  # DDP's or FSDP2's no_sync governs dp; partial sums always run
+        self._hooked: dict[int, weakref.ref[torch.Tensor]] = {}  # id -> the tensor (ids are reused)
+        for entry in entries:
+            group = groups(entry.rule.axes)
+            owner_name, _, leaf = entry.fqn.rpartition(".")
+            owner = root.get_submodule(owner_name)
+            self._attach(owner._parameters[leaf], entry.rule, group)
+            owner.register_forward_pre_hook(self._reattach(leaf, entry.rule, group))
+
+    def _attach(self, tensor: torch.Tensor | None, rule: GradRule, group: Group) -> None:
+        if tensor is None or not tensor.requires_grad:
+            return
+        seen = self._hooked.get(id(tensor))
+        if seen is not None and seen() is tensor:
+            return
+        self._hooked[id(tensor)] = weakref.ref(tensor)
+        tensor.register_hook(lambda grad: _summed(grad, rule, group))
+
+    def _reattach(self, leaf: str, rule: GradRule, group: Group) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            self._attach(module._parameters.get(leaf), rule, group)
+
+        return hook
+
+    launches_per_step = 0
+
+
+def _summed(grad: torch.Tensor, rule: GradRule, group: Group) -> torch.Tensor:
+    stack = grad.new_zeros((rule.slots, grad.numel()))
+    stack[rule.slot] = grad.reshape(-1)
+    wire.all_reduce_(stack, group)
+    return stack[rule.slot].view_as(grad) / rule.average if rule.average > 1 else stack[rule.slot].view_as(grad)
+
+
+class GradOwner:
+    """Every parameter's :class:`GradRule`, and the reducer that applies them."""
+
+    def __init__(
+        self,
+        root: nn.Module,
+        rules: Mapping[str, GradRule],
+        mesh: Mesh,
+        *,
+        data_parallel: bool,
+        bucket_cap_mb: float = 25.0,
+    ) -> None:
+        self.rules = dict(rules)
+        self.data_parallel = data_parallel
+        params = dict(root.named_parameters())
+        entries = [_Entry(fqn=fqn, param=params[fqn], rule=rule) for fqn, rule in self.rules.items()]
+        self.owns_dp = data_parallel and mesh.degree("dp") > 1
+        if data_parallel:
+            self.reducer: BucketReducer | EagerSums = BucketReducer(entries, _dedicated(mesh), int(bucket_cap_mb * 2**20))
+        else:
+            self.reducer = EagerSums(root, entries, mesh.group_of)
+
+    @property
+    def sync(self) -> bool:
+        return self.reducer.sync
+
+    @sync.setter
+    def sync(self, value: bool) -> None:
+        self.reducer.sync = value
+
+    @property
+    def all_reduces_per_step(self) -> int:
+        """All-reduces of one synchronised backward (the buckets; 0 for the eager sums' count,
+        which is one per partial parameter)."""
+        return self.reducer.launches_per_step
+
+    def describe(self) -> str:
+        return "\n".join(f"{fqn}: {rule.describe()}" for fqn, rule in self.rules.items())
+
+    def check(self, root: nn.Module) -> None:
+        """Before a forward: nobody else reduces what this owner reduces (run by the root prologue).
+
+        hp_lazy averaging over dp and torch DDP doing it too would average twice and race; FSDP2
+        replaces the Parameter objects, so the owner's hooks (partial sums included) would never
+        run and gradients would be silently wrong.
+        """
+        from torch.nn.parallel import DistributedDataParallel
+
+        if self.owns_dp and DistributedDataParallel._get_active_ddp_module() is not None:
+            raise ShardingError(
+                "hp_lazy: this model runs inside torch DistributedDataParallel, but hp_lazy already averages "
+                "gradients over the dp ranks (activate(..., data_parallel=True), the default); either drop the "
+                "DDP wrapper or activate with data_parallel=False and give DDP hp_lazy.mesh().group('dp').pg"
+            )
+        if isinstance(self.reducer, BucketReducer):
+            self.reducer.check_params(root)
+
+
+def _dedicated(mesh: Mesh) -> Callable[[tuple[str, ...]], Group]:
+    return lambda axes: mesh.group_of(axes, dedicated=True)
+
+
+def rules_for(
+    root: nn.Module,
+    partial: Mapping[str, tuple[str, int, int]],
+    mesh: Mesh,
+    *,
+    data_parallel: bool,
+) -> dict[str, GradRule]:
+    """Every trainable parameter's rule: ``partial`` maps FQN -> (axis, slots, slot) for the
+    parameters whose gradient is a partial sum over an axis (from the styles); dp averaging is
+    added to every parameter when hp_lazy owns dp."""
+    dp = mesh.degree("dp") if data_parallel else 1
+    rules: dict[str, GradRule] = {}
+    for fqn, param in root.named_parameters():
+        if not param.requires_grad:
+            continue
+        axes: tuple[str, ...] = ("dp",) if dp > 1 else ()
+        slots, slot = 1, 0
+        if fqn in partial:
+            axis, slots, slot = partial[fqn]
+            axes = (*axes, axis)
+        if axes:
+            rules[fqn] = GradRule(axes=axes, average=dp if "dp" in axes else 1, slots=slots, slot=slot)
+    return rules
