@@ -22,28 +22,10 @@ from typing import Literal
 from hp_lazy.errors import PlanError
 from hp_lazy.lower.facts import ForwardFacts
 from hp_lazy.plan.model import Contract, check_implemented
-from hp_lazy.plan.placement import AXES, Placement
-from hp_lazy.plan.transitions import Op, output_index, transition_op
+from hp_lazy.plan.placement import AXES
+from hp_lazy.plan.transitions import BoundOp, entry_ops, exit_ops
 
 Form = Literal["identity", "tp_collective", "generic"]
-
-
-@dataclass(frozen=True, slots=True)
-class BoundOp:
-    """``op`` applied to one input (``name`` = parameter) or output (``name`` = ``output[.i]``,
-    ``position`` = tuple index) on one mesh axis."""
-
-    name: str
-    axis: str
-    src: Placement
-    dst: Placement
-    op: Op
-    position: int | None = None
-    into_sharded: bool = False
-
-    def describe(self) -> str:
-        into = " into sharded params" if self.into_sharded else ""
-        return f"{self.name}: {self.axis} {self.src} -> {self.dst}{into} ==> {self.op}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,40 +41,10 @@ def active_axes(mesh: Mapping[str, int]) -> tuple[str, ...]:
     return tuple(a for a in AXES if mesh.get(a, 0) != 1)
 
 
-def sharded_axes(contract: Contract) -> frozenset[str]:
-    return frozenset(a for spec in contract.params.values() for a, p in spec.items() if p.is_shard)
-
-
 def _in_ops(contract: Contract, facts: ForwardFacts, axes: tuple[str, ...]) -> tuple[BoundOp, ...]:
-    sharded = sharded_axes(contract)
     order = {n: i for i, n in enumerate(facts.param_names)}
     names = sorted({*contract.in_src, *contract.in_dst}, key=lambda n: (order.get(n, len(order)), n))
-    ops = []
-    for name in names:
-        for axis in axes:
-            src, dst = contract.placement("in_src", name, axis), contract.placement("in_dst", name, axis)
-            where = f"{contract.pattern}: input {name!r} on {axis}"
-            op = transition_op(src, dst, entering_sharded=axis in sharded, where=where)
-            if op is not None:
-                ops.append(BoundOp(name, axis, src, dst, op, None, axis in sharded))
-    return tuple(ops)
-
-
-def _out_ops(contract: Contract, axes: tuple[str, ...]) -> tuple[BoundOp, ...]:
-    keys = sorted({*contract.out_src, *contract.out_dst}, key=lambda k: (output_index(k, where=contract.pattern), k))
-    seen: dict[int, str] = {}
-    ops = []
-    for key in keys:
-        pos = output_index(key, where=contract.pattern)
-        if pos in seen:
-            raise PlanError(f"{contract.pattern}: outputs {seen[pos]!r} and {key!r} both name position {pos}; keep one")
-        seen[pos] = key
-        for axis in reversed(axes):  # exit undoes entry: innermost axis first
-            src, dst = contract.placement("out_src", key, axis), contract.placement("out_dst", key, axis)
-            op = transition_op(src, dst, entering_sharded=False, where=f"{contract.pattern}: output {key!r} on {axis}")
-            if op is not None:
-                ops.append(BoundOp(key, axis, src, dst, op, pos))
-    return tuple(ops)
+    return entry_ops(contract, axes, names)
 
 
 def _check_inputs(contract: Contract, facts: ForwardFacts, in_ops: tuple[BoundOp, ...]) -> None:
@@ -132,7 +84,7 @@ def classify(contract: Contract, facts: ForwardFacts, mesh: Mapping[str, int]) -
     """Decide the form of one boundary whose forward is described by ``facts``."""
     check_implemented(contract.pattern, contract)
     axes = active_axes(mesh)
-    in_ops, out_ops = _in_ops(contract, facts, axes), _out_ops(contract, axes)
+    in_ops, out_ops = _in_ops(contract, facts, axes), exit_ops(contract, axes)
     _check_inputs(contract, facts, in_ops)
     partial_out = any(p.is_partial for p in contract.out_src.get("output", {}).values())
     if contract.deferred_bias_params and not partial_out:
@@ -145,4 +97,5 @@ def classify(contract: Contract, facts: ForwardFacts, mesh: Mapping[str, int]) -
     fails = _gate_failures(facts, in_ops, out_ops)
     if fails:
         return FormDecision("generic", tuple(fails), in_ops, out_ops)
-    return FormDecision("tp_collective", ("every transition lowers to a known op and the structural gates pass",), in_ops, out_ops)
+    why = ("every transition lowers to a known op and the structural gates pass",)
+    return FormDecision("tp_collective", why, in_ops, out_ops)

@@ -25,6 +25,7 @@ import re
 from dataclasses import dataclass
 
 from hp_lazy.errors import PlanError
+from hp_lazy.plan.model import Contract
 from hp_lazy.plan.placement import PackedShard, Placement, Shard
 
 _OUTPUT_KEY = re.compile(r"^output(?:\.(\d+))?$")
@@ -105,3 +106,59 @@ def output_index(key: str, *, where: str = "output") -> int:
             "use 'output' for the return value (or tuple position 0), 'output.1' for position 1"
         )
     return int(m.group(1) or 0)
+
+
+@dataclass(frozen=True, slots=True)
+class BoundOp:
+    """``op`` applied to one input (``name`` = parameter) or output (``name`` = ``output[.i]``,
+    ``position`` = tuple index) on one mesh axis."""
+
+    name: str
+    axis: str
+    src: Placement
+    dst: Placement
+    op: Op
+    position: int | None = None
+    into_sharded: bool = False
+
+    def describe(self) -> str:
+        into = " into sharded params" if self.into_sharded else ""
+        return f"{self.name}: {self.axis} {self.src} -> {self.dst}{into} ==> {self.op}"
+
+
+def sharded_axes(contract: Contract) -> frozenset[str]:
+    return frozenset(a for spec in contract.params.values() for a, p in spec.items() if p.is_shard)
+
+
+def entry_ops(contract: Contract, axes: tuple[str, ...], names: list[str] | None = None) -> tuple[BoundOp, ...]:
+    """The entry ops of every declared input (``names`` in that order; sorted by default), axes
+    in mesh order; an axis with a sharded parameter enters ``into_sharded``."""
+    sharded = sharded_axes(contract)
+    names = sorted({*contract.in_src, *contract.in_dst}) if names is None else names
+    ops = []
+    for name in names:
+        for axis in axes:
+            src, dst = contract.placement("in_src", name, axis), contract.placement("in_dst", name, axis)
+            where = f"{contract.pattern}: input {name!r} on {axis}"
+            op = transition_op(src, dst, entering_sharded=axis in sharded, where=where)
+            if op is not None:
+                ops.append(BoundOp(name, axis, src, dst, op, None, axis in sharded))
+    return tuple(ops)
+
+
+def exit_ops(contract: Contract, axes: tuple[str, ...]) -> tuple[BoundOp, ...]:
+    """The exit ops of every declared output, by tuple position, innermost axis first."""
+    keys = sorted({*contract.out_src, *contract.out_dst}, key=lambda k: (output_index(k, where=contract.pattern), k))
+    seen: dict[int, str] = {}
+    ops = []
+    for key in keys:
+        pos = output_index(key, where=contract.pattern)
+        if pos in seen:
+            raise PlanError(f"{contract.pattern}: outputs {seen[pos]!r} and {key!r} both name position {pos}; keep one")
+        seen[pos] = key
+        for axis in reversed(axes):  # exit undoes entry: innermost axis first
+            src, dst = contract.placement("out_src", key, axis), contract.placement("out_dst", key, axis)
+            op = transition_op(src, dst, entering_sharded=False, where=f"{contract.pattern}: output {key!r} on {axis}")
+            if op is not None:
+                ops.append(BoundOp(key, axis, src, dst, op, pos))
+    return tuple(ops)

@@ -12,7 +12,8 @@ takes every parameter of ``model``. Lowered root classes call it from their forw
 
 from __future__ import annotations
 
-from typing import Iterator
+import re
+from collections.abc import Iterator
 
 import torch.distributed as dist
 from torch import nn
@@ -25,7 +26,7 @@ from hp_lazy.runtime import leaves, options, registry
 from hp_lazy.runtime.binding import Binding, compile_ops
 from hp_lazy.runtime.grads import GradOwner, rules_for
 from hp_lazy.runtime.layout import LayoutTable, plan_layout, shard_in_place
-from hp_lazy.runtime.mesh import get_mesh
+from hp_lazy.runtime.mesh import Mesh, get_mesh
 from hp_lazy.runtime.sp.stack import install_stack
 from hp_lazy.runtime.style import (
     BindContext,
@@ -83,7 +84,9 @@ def _merge_table(table: LayoutTable | None, ctx: BindContext, prefix: str) -> La
     return merged
 
 
-def _own_gradients(model: nn.Module, mesh, partial: dict[str, tuple[str, int, int]], data_parallel: bool | None) -> None:
+def _own_gradients(
+    model: nn.Module, mesh: Mesh, partial: dict[str, tuple[str, int, int]], data_parallel: bool | None
+) -> None:
     opts = options.current()
     dp = opts.data_parallel if data_parallel is None else data_parallel
     rules = rules_for(model, partial, mesh, data_parallel=dp)
@@ -140,7 +143,7 @@ def _strip_prefix(root: nn.Module) -> str | None:
     return None
 
 
-def _matchers(plan: ModulePlan, root: nn.Module) -> list[tuple[object, Contract]]:
+def _matchers(plan: ModulePlan, root: nn.Module) -> list[tuple[re.Pattern[str], Contract]]:
     strip = _strip_prefix(root)
     found = []
     for contract in plan.contracts:
@@ -172,7 +175,7 @@ def _match(root: nn.Module, lowered: registry.Lowered) -> list[Bound]:
             continue
         matchers = _matchers(plan, sub)
         for rel, module in sub.named_modules():
-            hits = [c for regex, c in matchers if regex.match(rel) and _is_planned_class(module, plan, c)]  # type: ignore[attr-defined]
+            hits = [c for regex, c in matchers if regex.match(rel) and _is_planned_class(module, plan, c)]
             fqn = f"{prefix}.{rel}" if prefix and rel else prefix or rel
             if len(hits) > 1:
                 raise ShardingError(
@@ -189,8 +192,9 @@ def _match(root: nn.Module, lowered: registry.Lowered) -> list[Bound]:
     return list(found.values())  # model order
 
 
-def _bind_boundary(fqn: str, module: nn.Module, contract: Contract, ctx: BindContext, styles: list[ParallelStyle]) -> None:
-    sharded_axes = frozenset(axis for placements in contract.params.values() for axis, p in placements.items() if p.is_shard)
+def _bind_boundary(
+    fqn: str, module: nn.Module, contract: Contract, ctx: BindContext, styles: list[ParallelStyle]
+) -> None:
     for style in styles:
         style.validate(fqn, module, contract, ctx)
     replicas = {style.axis: style.replicas(fqn, module, contract, ctx) for style in styles}
@@ -201,8 +205,8 @@ def _bind_boundary(fqn: str, module: nn.Module, contract: Contract, ctx: BindCon
         fqn=fqn,
         contract=contract,
         groups=ctx.groups,
-        in_ops=compile_ops(contract, ctx.groups, sharded_axes, entry=True),
-        out_ops=compile_ops(contract, ctx.groups, sharded_axes, entry=False),
+        in_ops=compile_ops(contract, ctx.groups, entry=True),
+        out_ops=compile_ops(contract, ctx.groups, entry=False),
         deferred_biases=_defer_biases(module, contract),
     )
     setattr(module, BINDING, binding)
@@ -214,7 +218,9 @@ def _bind_boundary(fqn: str, module: nn.Module, contract: Contract, ctx: BindCon
         leaves.wrap_forward(module, binding)
 
 
-def _partition(fqn: str, module: nn.Module, contract: Contract, ctx: BindContext, replicas: dict[str, dict[str, int]]) -> None:
+def _partition(
+    fqn: str, module: nn.Module, contract: Contract, ctx: BindContext, replicas: dict[str, dict[str, int]]
+) -> None:
     """Lay every planned parameter out on every axis and replace it by this rank's shard."""
     for name, placements in sorted(contract.params.items()):
         params = params_matching(module, name)

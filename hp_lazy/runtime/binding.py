@@ -8,8 +8,9 @@ the static form writes its ops inline and only reads the groups).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -17,7 +18,7 @@ from torch import nn
 from hp_lazy.errors import ShardingError
 from hp_lazy.plan.model import Contract
 from hp_lazy.plan.placement import AXES
-from hp_lazy.plan.transitions import output_index, transition_op
+from hp_lazy.plan.transitions import Op, entry_ops, exit_ops
 from hp_lazy.runtime.comm import pairs as collectives
 from hp_lazy.runtime.mesh import Group
 
@@ -36,31 +37,20 @@ class CallContext:
 TensorOp = Callable[[torch.Tensor, CallContext], torch.Tensor]
 
 
-def compile_ops(
-    contract: Contract, groups: Mapping[str, Group], sharded_axes: frozenset[str], *, entry: bool
-) -> dict[Any, tuple[TensorOp, ...]]:
-    """name (entry) or output index (exit) -> the ops that move it from src to dst, axis by axis."""
-    src_side, dst_side = ("in_src", "in_dst") if entry else ("out_src", "out_dst")
-    names = sorted(set(getattr(contract, src_side)) | set(getattr(contract, dst_side)))
-    ops: dict[Any, tuple[TensorOp, ...]] = {}
-    for name in names:
-        chain = []
-        axes = [axis for axis in AXES if axis in groups]  # entry in mesh order, exit reversed
-        for axis in axes if entry else reversed(axes):
-            group = groups[axis]
-            src = contract.placement(src_side, name, axis)
-            dst = contract.placement(dst_side, name, axis)
-            op = transition_op(
-                src, dst, entering_sharded=entry and axis in sharded_axes, where=f"{contract.pattern}: {name}"
-            )
-            if op is not None:
-                chain.append(_bind_op(op, group))
-        if chain:
-            ops[name if entry else output_index(name)] = tuple(chain)
-    return ops
+def compile_ops(contract: Contract, groups: Mapping[str, Group], *, entry: bool) -> dict[Any, tuple[TensorOp, ...]]:
+    """name (entry) or output index (exit) -> the ops that move it from src to dst, axis by axis:
+    the lowerer's own op chains (:func:`~hp_lazy.plan.transitions.entry_ops` / ``exit_ops``), bound
+    to this rank's groups."""
+    axes = tuple(axis for axis in AXES if axis in groups and groups[axis].size > 1)
+    found = entry_ops(contract, axes) if entry else exit_ops(contract, axes)
+    chains: dict[Any, list[TensorOp]] = {}
+    for bound in found:
+        key = bound.name if entry else bound.position
+        chains.setdefault(key, []).append(_bind_op(bound.op, groups[bound.axis]))
+    return {key: tuple(chain) for key, chain in chains.items()}
 
 
-def _bind_op(op: Any, group: Group) -> TensorOp:
+def _bind_op(op: Op, group: Group) -> TensorOp:
     fn = getattr(collectives, op.call)
     dims = tuple(op.dims)
 
@@ -128,5 +118,7 @@ def _run(chain: tuple[TensorOp, ...], value: Any, ctx: CallContext) -> Any:
 
 def add_deferred_bias(x: torch.Tensor, binding: Binding) -> torch.Tensor:
     for owner, name in binding.deferred_biases:
-        x = x + owner._parameters[name]
+        bias = owner._parameters[name]
+        if bias is not None:
+            x = x + bias
     return x
