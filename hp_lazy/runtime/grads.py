@@ -38,8 +38,9 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -68,7 +69,7 @@ class GradRule:
         return f"sum over {'x'.join(self.axes)}{held}{mean}"
 
 
-def owner_of(root: nn.Module) -> "GradOwner | None":
+def owner_of(root: nn.Module) -> GradOwner | None:
     return root.__dict__.get(GRADS_ATTR)
 
 
@@ -108,55 +109,67 @@ class _Entry:
 
 
 class _Bucket:
-    """Parameters reduced in one all-reduce: ``[slots*numel for each] + [one flag each]``."""
+    """Parameters reduced in one all-reduce: ``[slots*numel for each] + [one flag each]``.
+
+    The buffer is allocated once and reused: a pass overwrites the slices of the gradients it
+    produced, zeroes the others' when it launches, and the flags are cleared after write-back.
+    """
 
     def __init__(self, entries: list[_Entry], group: Group) -> None:
         self.entries, self.group = entries, group
+        self.average = entries[0].rule.average  # one rule's axes per bucket, so one divisor
         offset = 0
         for entry in entries:
             entry.offset = offset
             offset += entry.rule.slots * entry.numel
         for i, entry in enumerate(entries):
             entry.flag = offset + i
-        self.numel = offset + len(entries)
-        self.buffer: torch.Tensor | None = None
+        self.grads_numel = offset
+        first = entries[0].param
+        self.buffer = torch.zeros(offset + len(entries), dtype=first.dtype, device=first.device)
         self.pending: wire.Pending | None = None
         self.waiting = len(entries)
 
+    def _region(self, entry: _Entry) -> torch.Tensor:
+        return self.buffer[entry.offset : entry.offset + entry.rule.slots * entry.numel]
+
     def fill(self, entry: _Entry) -> None:
-        grad = entry.contribution()
-        if self.buffer is None:
-            self.buffer = grad.new_zeros(self.numel)
-        size, rule = entry.numel, entry.rule
-        start = entry.offset + rule.slot * size
-        self.buffer[start : start + size].copy_(grad.reshape(-1))
+        grad, rule = entry.contribution(), entry.rule
+        if grad.dtype != self.buffer.dtype or grad.device != self.buffer.device:  # model.to(...) after binding
+            self.buffer = grad.new_zeros(self.buffer.numel())
+        region = self._region(entry)
+        if rule.slots > 1:
+            region.zero_()
+        region[rule.slot * entry.numel : (rule.slot + 1) * entry.numel].copy_(grad.reshape(-1))
         self.buffer[entry.flag] = 1
         entry.ready = True
         self.waiting -= 1
 
     def launch(self) -> None:
-        for entry in self.entries:  # accumulated under no_sync only: not seen in this pass
-            if entry.in_window and not entry.ready and entry.param.grad is not None:
+        for entry in self.entries:
+            if entry.ready:
+                continue
+            if entry.in_window and entry.param.grad is not None:  # accumulated under no_sync only
                 self.fill(entry)
-        if self.buffer is None:  # this rank produced none of these gradients: it sends zeros
-            first = self.entries[0].param
-            self.buffer = torch.zeros(self.numel, dtype=first.dtype, device=first.device)
+            else:  # this rank produced no gradient for it: it sends zeros
+                self._region(entry).zero_()
         self.pending = wire.all_reduce_async(self.buffer, self.group)
 
     def write_back(self) -> None:
         assert self.pending is not None
         summed = self.pending.wait()
+        if self.average > 1:
+            summed[: self.grads_numel].div_(self.average)
         for entry in self.entries:
             _write(entry, summed)
-        self.buffer, self.pending, self.waiting = None, None, len(self.entries)
+        summed[self.grads_numel :].zero_()
+        self.pending, self.waiting = None, len(self.entries)
 
 
 def _write(entry: _Entry, summed: torch.Tensor) -> None:
     rule, param, size = entry.rule, entry.param, entry.numel
     start = entry.offset + rule.slot * size
     part = summed[start : start + size].view_as(param)
-    if rule.average > 1:
-        part = part / rule.average
     if entry.ready:  # grad = what was there before + the reduced contribution
         assert param.grad is not None
         param.grad.copy_(part if entry.base is None else entry.base.add_(part))
@@ -297,7 +310,8 @@ class GradOwner:
         entries = [_Entry(fqn=fqn, param=params[fqn], rule=rule) for fqn, rule in self.rules.items()]
         self.owns_dp = data_parallel and mesh.degree("dp") > 1
         if data_parallel:
-            self.reducer: BucketReducer | EagerSums = BucketReducer(entries, _dedicated(mesh), int(bucket_cap_mb * 2**20))
+            cap = int(bucket_cap_mb * 2**20)
+            self.reducer: BucketReducer | EagerSums = BucketReducer(entries, _dedicated(mesh), cap)
         else:
             self.reducer = EagerSums(root, entries, mesh.group_of)
 
