@@ -43,8 +43,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 PLAIN_NAME = "transformers.models.llama._plain_modeling_llama"
 REAL_NAME = "transformers.models.llama.modeling_llama"
@@ -258,9 +259,10 @@ def _load_plain(variant: str, plain: Any, path: str, rank: int, world: int) -> L
 def _load_hp_lazy(path: str, world: int, plain: Any) -> Loaded:
     import importlib
 
-    import hp_lazy
     import torch
     import transformers
+
+    import hp_lazy
 
     # --hp-embedding: "vocab" (default, like transformers' tp_plan) or "replicated" (bare_tp's layout)
     vocab = os.environ.get("HP_LAZY_BENCH_EMBEDDING", "vocab") == "vocab"
@@ -352,7 +354,7 @@ def summarize(variants: list[str], everyone: list[dict], rounds: int) -> dict[st
     """Per round: wall = the slowest rank (rank 0 for ref_solo), cpu = summed over ranks; then medians."""
     out: dict[str, dict[str, Any]] = {}
     for kind in ("step", "fwd", "cpu"):
-        def series(v: str) -> list[float]:
+        def series(v: str, kind: str = kind) -> list[float]:
             if kind == "cpu":
                 return [sum(r[v][kind][i] for r in everyone) for i in range(rounds)]
             return [(everyone[0] if v == "ref_solo" else max(everyone, key=lambda r: r[v][kind][i]))[v][kind][i]
@@ -360,8 +362,8 @@ def summarize(variants: list[str], everyone: list[dict], rounds: int) -> dict[st
 
         per = {v: series(v) for v in variants}
         for v in variants:
-            def ratio(base: str) -> float | None:
-                return statistics.median(a / b for a, b in zip(per[v], per[base])) if base in per else None
+            def ratio(base: str, per: dict[str, list[float]] = per, v: str = v) -> float | None:
+                return statistics.median(a / b for a, b in zip(per[v], per[base], strict=True)) if base in per else None
             out.setdefault(v, {})[kind] = dict(median_ms=1e3 * statistics.median(per[v]), min_ms=1e3 * min(per[v]),
                                                x_ref=ratio("ref_solo"), x_bare=ratio("bare_tp"))
     return out

@@ -16,8 +16,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from collections.abc import Iterator
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, Iterator, Optional, Union
+from typing import TYPE_CHECKING, Any
 
 from hp_lazy.hook.api import (
     Handle,
@@ -51,11 +52,11 @@ logger = logging.getLogger("hp_lazy")
 def activate(
     plan: PlanSpec,
     *,
-    tp: Optional[int] = None,
+    tp: int | None = None,
     sequence_parallel: bool = False,
     data_parallel: bool = True,
     bucket_cap_mb: float = 25.0,
-    cache_dir: Union[str, "os.PathLike[str]", None] = None,
+    cache_dir: str | os.PathLike[str] | None = None,
 ) -> Handle:
     """Lower the modules ``plan`` names when they are imported from now on.
 
@@ -71,7 +72,8 @@ def activate(
         return Handle(plan=None)
     resolved = load_plan(plan, tp=tp, sequence_parallel=sequence_parallel)
     _set_runtime_options(data_parallel=data_parallel, bucket_cap_mb=bucket_cap_mb)
-    return install(resolved, cache=Cache(cache_dir), lower=_lower, bind=_register, runtime=_runtime)
+    cache = Cache(None if cache_dir is None else os.fspath(cache_dir))
+    return install(resolved, cache=cache, lower=_lower, bind=_register, runtime=_runtime)
 
 
 def _lower(source: str, module_plan: Any, filename: str) -> Any:
@@ -104,7 +106,7 @@ def _set_runtime_options(**values: Any) -> None:
     options.set_current(options.RuntimeOptions(**values))
 
 
-def mesh() -> "Mesh":
+def mesh() -> Mesh:
     """The mesh of the active plan: ``mesh().group("dp")`` says which part of the batch this rank
     feeds (``.rank`` of ``.size``) and its ``.pg`` is the process group for DDP; ``device_mesh``
     is the torch ``DeviceMesh`` with named axes (its ``["dp"]`` sub-mesh for FSDP2)."""
@@ -117,21 +119,21 @@ def mesh() -> "Mesh":
     return get_mesh(dict(plan.mesh))
 
 
-def parallelize(model: "nn.Module", *, data_parallel: Optional[bool] = None) -> "nn.Module":
+def parallelize(model: nn.Module, *, data_parallel: bool | None = None) -> nn.Module:
     """Shard ``model`` in place and bind it now (the first forward does it otherwise)."""
     from hp_lazy.runtime.bind import parallelize as bind
 
     return bind(model, data_parallel=data_parallel)
 
 
-def full_state_dict(model: "nn.Module") -> "dict[str, torch.Tensor]":
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """``model.state_dict()`` with every sharded tensor gathered (a collective)."""
     from hp_lazy.runtime.state import full_state_dict as gather
 
     return gather(model)
 
 
-def full_grads(model: "nn.Module") -> "dict[str, torch.Tensor]":
+def full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
     """Parameter FQN -> full gradient (a collective)."""
     from hp_lazy.runtime.state import full_grads as gather
 
@@ -139,7 +141,7 @@ def full_grads(model: "nn.Module") -> "dict[str, torch.Tensor]":
 
 
 @contextlib.contextmanager
-def no_sync(model: "nn.Module") -> Iterator[None]:
+def no_sync(model: nn.Module) -> Iterator[None]:
     """Gradient accumulation: backward passes inside the block reduce nothing over dp; the next
     backward outside it reduces everything accumulated (DDP's ``no_sync``)."""
     from hp_lazy.runtime.grads import no_sync as local

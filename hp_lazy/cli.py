@@ -137,7 +137,9 @@ def _add_plan_args(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m hp_lazy", description="Look at what a plan does to a module without importing it.")
+    parser = argparse.ArgumentParser(
+        prog="python -m hp_lazy", description="Look at what a plan does to a module without importing it."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     for name, func, text in [
         ("show", cmd_show, "print the lowered source of MODULE"),
@@ -168,5 +170,5 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except BrokenPipeError:  # `python -m hp_lazy show ... | head`
-        sys.stdout = None  # type: ignore[assignment]  # nothing more to flush at exit
+        sys.stdout = None  # nothing more to flush at exit
         return 0

@@ -82,7 +82,7 @@ def train(path: str, args: argparse.Namespace, data: list, parallel: bool) -> li
         hp_lazy.parallelize(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     rows = []
-    for step, tokens in enumerate(data):
+    for tokens in data:
         ids = torch.tensor(tokens)
         start = time.perf_counter()
         with _counter(parallel) as counter:
@@ -146,15 +146,16 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(1)
         solo = train(path, args, data, parallel=False)
     print_table(parallel, solo, mode)
-    worst = max(abs(p["loss"] - s["loss"]) for p, s in zip(parallel, solo))
+    worst = max(abs(p["loss"] - s["loss"]) for p, s in zip(parallel, solo, strict=True))
     return 0 if worst < 1e-3 else 1
 
 
 def print_table(parallel: list[dict], solo: list[dict], mode: str) -> None:
-    print(f"\n| step | loss {mode} | loss 1 proc | max diff so far | ms/step {mode} | ms/step 1 proc | collectives/step |")
+    print(f"\n| step | loss {mode} | loss 1 proc | max diff so far | ms/step {mode} | ms/step 1 proc "
+          "| collectives/step |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
     worst = 0.0
-    for step, (p, s) in enumerate(zip(parallel, solo), 1):
+    for step, (p, s) in enumerate(zip(parallel, solo, strict=True), 1):
         worst = max(worst, abs(p["loss"] - s["loss"]))
         print(f"| {step} | {p['loss']:.6f} | {s['loss']:.6f} | {worst:.1e} | {p['ms']:.1f} | {s['ms']:.1f} | "
               f"{p['collectives']} |")

@@ -31,8 +31,9 @@ import socket
 import sys
 import time
 import traceback
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pytest
 

@@ -115,7 +115,7 @@ def mean_losses(results: list[dict[str, Any]], key: str = "losses") -> list[floa
     """Each dp rank's loss is the mean over its rows: the global mean is their average (tp ranks
     of one dp rank agree)."""
     per_rank = [r[key] for r in results]
-    return [sum(step) / len(per_rank) for step in zip(*per_rank)]
+    return [sum(step) / len(per_rank) for step in zip(*per_rank, strict=True)]
 
 
 _REFS: dict[tuple[Any, ...], dict[str, Any]] = {}

@@ -61,13 +61,14 @@ def test_key_covers_interpreter_and_lowerer(monkeypatch: pytest.MonkeyPatch) -> 
     assert cache_key(**BASE) != key
 
 
-def test_lowerer_code_hash_covers_lower_and_plan_sources() -> None:
+def test_lowerer_code_hash_covers_lower_plan_and_names_sources() -> None:
     import hashlib
 
     import hp_lazy
 
     package = Path(hp_lazy.__file__).parent
     digest = hashlib.sha256()
+    digest.update(b"names.py\0" + (package / "names.py").read_bytes())  # the generated names
     for sub in ("lower", "plan"):
         for path in sorted((package / sub).glob("*.py")):
             digest.update(f"{sub}/{path.name}\0".encode() + path.read_bytes())

@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
+from dist import DistPool, pool_fixture
 
 import hp_lazy
-from dist import DistPool, pool_fixture
 from hp_lazy.errors import ShardingError
 from hp_lazy.runtime.comm import pairs as C
 from hp_lazy.runtime.comm import wire as W
-from hp_lazy.runtime.tp.loss import vocab_parallel_cross_entropy
 from hp_lazy.runtime.mesh import Group, get_mesh
+from hp_lazy.runtime.tp.loss import vocab_parallel_cross_entropy
 
 pool2 = pool_fixture(2)
 pool4 = pool_fixture(4)

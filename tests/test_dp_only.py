@@ -4,11 +4,10 @@ process over the global batch, with gradient accumulation; and multi-axis parame
 
 from __future__ import annotations
 
-import pytest
-import torch
-
 import dpwork
 import parity
+import pytest
+import torch
 from dist import DistPool, pool_fixture
 
 pool4 = pool_fixture(4, timeout=240)

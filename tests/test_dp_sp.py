@@ -4,10 +4,9 @@ activations hold partial gradients over tp, which must compose with every dp red
 
 from __future__ import annotations
 
-import pytest
-
 import dpwork
 import parity
+import pytest
 from dist import DistPool, pool_fixture
 
 pool4 = pool_fixture(4, timeout=240)

@@ -6,11 +6,10 @@ over tp, which must compose with the dp reduction."""
 
 from __future__ import annotations
 
-import pytest
-import torch
-
 import dpwork
 import parity
+import pytest
+import torch
 from dist import DistPool, WorkerError, pool_fixture
 
 pool4 = pool_fixture(4, timeout=240)
@@ -75,8 +74,9 @@ def test_nobody_reducing_dp_fails(pool4: DistPool, refs) -> None:
 
 
 def _ddp_over_own_dp(rank: int, world: int, path: str) -> None:
-    import hp_lazy
     from torch.nn.parallel import DistributedDataParallel
+
+    import hp_lazy
 
     model = hp_lazy.parallelize(parity._load(path))  # data_parallel=True: hp_lazy averages over dp
     net = DistributedDataParallel(model, process_group=hp_lazy.mesh().group("dp").pg)
@@ -92,8 +92,9 @@ def test_ddp_on_top_of_hp_lazy_dp_is_refused(pool4: DistPool, refs) -> None:
 
 
 def _fsdp_over_own_dp(rank: int, world: int, path: str) -> None:
-    import hp_lazy
     from torch.distributed.fsdp import fully_shard
+
+    import hp_lazy
 
     model = hp_lazy.parallelize(parity._load(path))  # data_parallel=True: hp_lazy averages over dp
     fully_shard(model, mesh=hp_lazy.mesh().device_mesh["dp"])

@@ -13,8 +13,8 @@ import sys
 import traceback
 import uuid
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -25,11 +25,11 @@ from hookfakes import BOOM_LINE, TOY_SOURCE, install_fake, make_pkg  # noqa: E40
 
 import hp_lazy  # noqa: E402
 from hp_lazy.errors import PlanError  # noqa: E402
-from hp_lazy.plan import AutoFlags  # noqa: E402
 from hp_lazy.hook import api  # noqa: E402
 from hp_lazy.hook.cache import Cache  # noqa: E402
 from hp_lazy.hook.finder import ForeignLoaderWarning, HpLazyFinder, NameMatcher  # noqa: E402
 from hp_lazy.hook.loader import HookState, HpLazyLoader  # noqa: E402
+from hp_lazy.plan import AutoFlags  # noqa: E402
 
 CHILD = str(Path(__file__).parent / "pkgs" / "hookfakes.py")
 REPO = str(Path(__file__).resolve().parent.parent)

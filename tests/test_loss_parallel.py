@@ -4,10 +4,9 @@ process's, and no rank ever holds the full logits."""
 
 from __future__ import annotations
 
-import pytest
-
 import models
 import parity
+import pytest
 from dist import DistPool, pool_fixture
 
 pool2 = pool_fixture(2, timeout=120)

@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as tdist
-
 from dist import DistPool, pool_fixture
+
 from hp_lazy.errors import ShardingError
 from hp_lazy.runtime.comm import wire as C
 from hp_lazy.runtime.mesh import Group, ensure_process_group, get_mesh, mesh_shape

@@ -5,10 +5,9 @@ rotary, loss) still sees the whole sequence, and the results equal one process's
 
 from __future__ import annotations
 
-import pytest
-
 import models
 import parity
+import pytest
 from dist import DistPool, WorkerError, pool_fixture
 
 pool2 = pool_fixture(2, timeout=120)

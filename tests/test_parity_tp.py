@@ -4,10 +4,9 @@ logits, loss, every gradient, and three SGD steps with weight decay; plus collec
 
 from __future__ import annotations
 
-import pytest
-
 import models
 import parity
+import pytest
 from dist import DistPool, pool_fixture
 
 pool2 = pool_fixture(2, timeout=120)

@@ -8,7 +8,8 @@ import textwrap
 import pytest
 
 from hp_lazy.errors import PlanError
-from hp_lazy.plan import Plan, auto as auto_mod
+from hp_lazy.plan import Plan
+from hp_lazy.plan import auto as auto_mod
 from hp_lazy.plan.auto import auto_contracts
 
 transformers = pytest.importorskip("transformers")

@@ -8,10 +8,9 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 import models
 import parity
+import pytest
 from dist import DistPool, WorkerError, pool_fixture
 
 pool2 = pool_fixture(2, timeout=120)

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import os
 
-import pytest
-import torch
-
 import models
 import parity
+import pytest
+import torch
 from dist import DistPool, WorkerError, pool_fixture
 
 pool2 = pool_fixture(2, timeout=120)

@@ -16,10 +16,11 @@ import os
 import sys
 import threading
 import warnings
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType, TracebackType
-from typing import Any, Callable, Mapping, Optional, Union
+from typing import Any, Union
 
 from hp_lazy.errors import PlanError
 from hp_lazy.hook.cache import Cache
@@ -50,8 +51,8 @@ class AlreadyImportedWarning(UserWarning):
 class Handle:
     """The result of :func:`activate`; a context manager whose exit deactivates."""
 
-    plan: Optional[Plan]
-    finder: Optional[HpLazyFinder] = field(default=None, repr=False)
+    plan: Plan | None
+    finder: HpLazyFinder | None = field(default=None, repr=False)
 
     @property
     def active(self) -> bool:
@@ -71,7 +72,7 @@ class Handle:
 
 
 _LOCK = threading.Lock()
-_ACTIVE: Optional[HpLazyFinder] = None
+_ACTIVE: HpLazyFinder | None = None
 
 
 def deactivate() -> None:
@@ -82,7 +83,7 @@ def deactivate() -> None:
         _remove(finder)
 
 
-def active_plan() -> Optional[Plan]:
+def active_plan() -> Plan | None:
     finder = _ACTIVE
     return finder.state.plan if finder is not None else None  # type: ignore[return-value]
 
@@ -140,7 +141,7 @@ def _detach(finder: HpLazyFinder) -> None:
 
 
 # -- plans ---------------------------------------------------------------------------------------
-def load_plan(plan: PlanSpec, *, tp: Optional[int] = None, sequence_parallel: bool = False) -> Plan:
+def load_plan(plan: PlanSpec, *, tp: int | None = None, sequence_parallel: bool = False) -> Plan:
     """A Plan from any accepted form (shared by ``activate`` and the CLI)."""
     if isinstance(plan, str) and plan == "auto":
         if tp is None:
@@ -219,7 +220,7 @@ def _check_already_imported(plan: Any, matcher: NameMatcher) -> None:
     warnings.warn(message, AlreadyImportedWarning, stacklevel=3)
 
 
-def _declares_plan(plan: Any, module: Optional[ModuleType]) -> bool:
+def _declares_plan(plan: Any, module: ModuleType | None) -> bool:
     """Exact targets always count; a glob match of an auto plan only if its config has a TP plan."""
     if module is None:
         return False

@@ -40,7 +40,8 @@ memory and one :class:`CacheTrustWarning` names the path, what is wrong and the 
 (``HP_LAZY_STRICT=1``: :class:`CacheTrustError` instead). An unusable directory (read-only, not a
 directory) also makes the cache fall back to memory, logged once.
 
-``HP_LAZY_CACHE=off|ro|rw`` (default ``rw``; ``HP_LAZY_DISABLE_CACHE=1`` = off). PYTHONDONTWRITEBYTECODE / ``-B`` is deliberately
+``HP_LAZY_CACHE=off|ro|rw`` (default ``rw``; ``HP_LAZY_DISABLE_CACHE=1`` = off).
+PYTHONDONTWRITEBYTECODE / ``-B`` is deliberately
 *not* obeyed: it governs CPython's ``__pycache__`` next to sources, while this cache lives in its
 own directory under its own switch (container images set the variable routinely, which would
 silently turn every import into a miss). Lowered bytecode is never written to ``__pycache__``.
@@ -65,12 +66,13 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from types import CodeType
-from typing import Callable, Iterator, Literal
+from typing import Literal
 
 from hp_lazy.errors import HpLazyError
 

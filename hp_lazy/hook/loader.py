@@ -15,10 +15,11 @@ import importlib
 import importlib.util
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.machinery import SourceFileLoader
 from types import CodeType, ModuleType
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Protocol
 
 from hp_lazy.errors import LoweringError
 from hp_lazy.hook.cache import Cache, cache_key
@@ -47,7 +48,7 @@ class LoweredInfo:
     slice_hash: str
     source_sha256: str
     cache_key: str
-    cache_path: Optional[str]
+    cache_path: str | None
     hit: bool
     ms: float
     """Wall time of the whole load (read, slice, cache lookup or lower + compile + store)."""
@@ -72,7 +73,7 @@ class HookState:
 class _Loaded:
     code: CodeType
     module_plan: Any
-    info: Optional[LoweredInfo]
+    info: LoweredInfo | None
 
 
 class HpLazyLoader(SourceFileLoader):
@@ -101,7 +102,10 @@ class HpLazyLoader(SourceFileLoader):
         module_plan = self._state.plan.slice(fullname, source)
         slice_ms = (time.perf_counter() - start) * 1000.0
         if module_plan is None:
-            return _Loaded(super().get_code(fullname), None, None)
+            code = super().get_code(fullname)
+            if code is None:
+                raise ImportError(f"{fullname}: no code for {self.path}", name=fullname)
+            return _Loaded(code, None, None)
         return self._lowered(fullname, data, source, module_plan, start, slice_ms)
 
     def _lowered(

@@ -38,7 +38,7 @@ def relocate(nodes: list[ast.stmt], ref: ast.AST) -> list[ast.stmt]:
     """Put every node of these new subtrees at the first line of ``ref`` (one-line span, so a
     traceback through generated code shows the ``def`` line it stands for)."""
     line, col = getattr(ref, "lineno", 1), getattr(ref, "col_offset", 0)
-    where = dict(zip(_LOCATION, (line, col, line, col)))
+    where = dict(zip(_LOCATION, (line, col, line, col), strict=True))
     for top in nodes:
         for node in ast.walk(top):
             if "lineno" in node._attributes:

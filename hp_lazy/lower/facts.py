@@ -138,7 +138,8 @@ def _params(args: ast.arguments) -> tuple[str, tuple[Param, ...]]:
         Param(a.arg, "positional_only" if i < len(args.posonlyargs) else "positional", i >= first_default)
         for i, a in enumerate(positional)
     ]
-    params += [Param(a.arg, "keyword_only", d is not None) for a, d in zip(args.kwonlyargs, args.kw_defaults)]
+    keyword_only = zip(args.kwonlyargs, args.kw_defaults, strict=True)
+    params += [Param(a.arg, "keyword_only", d is not None) for a, d in keyword_only]
     return params[0].name, tuple(params[1:])
 
 

@@ -197,7 +197,7 @@ class _Builder:
         pairs = {k for k, rs in parents.items() if {r.style for r in rs} & {"colwise", "packed_colwise"}
                  and "rowwise" in {r.style for r in rs}}
         bodies: dict[tuple[str, str], dict] = {}
-        for (base, parent), rs in parents.items():
+        for (base, _parent), rs in parents.items():
             for rule in rs:
                 home = self._home(rule, pairs, base)
                 body = bodies.setdefault(home, {"params": {}, "deferred_bias_params": [], "grad_sum_params": []})

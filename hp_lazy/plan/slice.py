@@ -43,6 +43,8 @@ class _Applied:
     starts: frozenset[str]
 
 
+_COMPARED = ("in_src", "in_dst", "out_src", "out_dst", "deferred_bias_params", "grad_sum_params", "inner", "region")
+
 def slice_plan(plan: PlanSource, module: str, source: str) -> ModulePlan | None:
     """None when the plan does not target ``module`` or nothing of it applies there."""
     if not plan.targets(module):
@@ -130,7 +132,7 @@ def _check_shared_classes(module: str, applied: list[_Applied]) -> None:
             continue
         other = first.setdefault(item.cls, item)
         mine, theirs = item.contract.to_dict(), other.contract.to_dict()
-        for field in ("in_src", "in_dst", "out_src", "out_dst", "deferred_bias_params", "grad_sum_params", "inner", "region"):
+        for field in _COMPARED:
             if mine.get(field) != theirs.get(field):
                 raise PlanError(
                     f"{module}: boundaries {other.contract.pattern!r} and {item.contract.pattern!r} both lower "

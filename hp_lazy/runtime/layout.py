@@ -20,8 +20,8 @@ sharding keeps valid references.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
-from typing import Iterator, Mapping
 
 import torch
 from torch import nn
@@ -144,9 +144,12 @@ def _axis_cut(fqn: str, shape: tuple[int, ...], placement: Shard, group: Group, 
             f"{fqn}: placement {placement} on {group.axis} does not fit a parameter of shape {list(shape)}; "
             "fix the plan's params"
         )
-    cut = AxisShard(axis=group.axis, dim=dim, blocks=placement.blocks, size=group.size, rank=group.rank, replicas=replicas)
+    cut = AxisShard(
+        axis=group.axis, dim=dim, blocks=placement.blocks, size=group.size, rank=group.rank, replicas=replicas
+    )
     if shape[dim] % (cut.pieces * cut.blocks):
-        what = f"{cut.blocks} packed blocks x {group.axis}={cut.pieces}" if cut.blocks > 1 else f"{group.axis}={cut.pieces}"
+        what = f"{group.axis}={cut.pieces}"
+        what = f"{cut.blocks} packed blocks x {what}" if cut.blocks > 1 else what
         raise ShardingError(
             f"{fqn}: dim {dim} of size {shape[dim]} is not divisible by {what}; "
             f"use a {group.axis} degree that divides {shape[dim] // cut.blocks}"

@@ -17,8 +17,7 @@ their module's forward here too.
 from __future__ import annotations
 
 import inspect
-from functools import lru_cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +25,12 @@ from torch import nn
 
 from hp_lazy.names import BINDING, LEAF_INPUTS
 from hp_lazy.runtime.binding import Binding, CallContext
+
+if TYPE_CHECKING:  # the mixins only ever sit in front of these classes
+    _Module = nn.Module
+    _Linear = nn.Linear
+else:
+    _Module = _Linear = object
 
 
 def wrap_forward(module: nn.Module, binding: Binding) -> None:
@@ -35,22 +40,22 @@ def wrap_forward(module: nn.Module, binding: Binding) -> None:
     module.__class__ = subclass(type(module), _LeafForward)
 
 
-class _LeafForward:
+class _LeafForward(_Module):
     """Mixin: ``forward`` = entry ops on declared inputs -> the class's own forward -> exit ops."""
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         binding: Binding = getattr(self, BINDING)
         call = CallContext()
-        args = list(args)
+        values = list(args)
         for name, position in getattr(self, LEAF_INPUTS):
-            if position is not None and position < len(args):
-                args[position] = binding.enter(name, args[position], call)
+            if position is not None and position < len(values):
+                values[position] = binding.enter(name, values[position], call)
             elif name in kwargs:
                 kwargs[name] = binding.enter(name, kwargs[name], call)
-        return binding.exit(super().forward(*args, **kwargs), call)
+        return binding.exit(super().forward(*values, **kwargs), call)
 
 
-def _input_positions(cls: type, binding: Binding) -> tuple[tuple[str, int | None], ...]:
+def _input_positions(cls: type[nn.Module], binding: Binding) -> tuple[tuple[str, int | None], ...]:
     params = list(inspect.signature(cls.forward).parameters.values())[1:]
     positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     names = sorted(set(binding.contract.in_src) | set(binding.contract.in_dst))
@@ -59,14 +64,14 @@ def _input_positions(cls: type, binding: Binding) -> tuple[tuple[str, int | None
     return tuple((name, positional.index(name) if name in positional else None) for name in names)
 
 
-class _NoBiasLinear:
+class _NoBiasLinear(_Linear):
     """Mixin for ``nn.Linear`` whose bias is added by its boundary after the reduction."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         return F.linear(input, self.weight)
 
 
-class _NoBiasModule:
+class _NoBiasModule(_Module):
     """Mixin for any other module owning a deferred bias: the bias is hidden during forward."""
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -86,7 +91,13 @@ def suppress_bias(owner: nn.Module) -> None:
     owner.__class__ = subclass(type(owner), mixin)
 
 
-@lru_cache(maxsize=None)
+_SUBCLASSES: dict[tuple[type, type], type] = {}
+
+
 def subclass(cls: type, mixin: type) -> type:
-    """``cls`` with ``mixin``'s forward in front (same name, module and qualname)."""
-    return type(cls.__name__, (mixin, cls), {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
+    """``cls`` with ``mixin``'s forward in front (same name, module and qualname), made once."""
+    made = _SUBCLASSES.get((cls, mixin))
+    if made is None:
+        made = type(cls.__name__, (mixin, cls), {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
+        _SUBCLASSES[(cls, mixin)] = made
+    return made

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -37,7 +38,7 @@ WORLD_AXES: tuple[str, ...] = ("dp", "cp", "tp")
 """The axes that factor the world, outermost first (the device mesh dims)."""
 
 _ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-_MESHES: dict[tuple[tuple[str, int], ...], "Mesh"] = {}
+_MESHES: dict[tuple[tuple[str, int], ...], Mesh] = {}
 
 
 @dataclass(frozen=True)
@@ -186,7 +187,9 @@ class Mesh:
         used = tuple(a for a in WORLD_AXES if a in axes and self.degree(a) > 1)
         unknown = [a for a in axes if a not in WORLD_AXES]
         if unknown:
-            raise ShardingError(f"hp_lazy mesh: group_of{axes}: {unknown} do not factor the world; use axes from {WORLD_AXES}")
+            raise ShardingError(
+                f"hp_lazy mesh: group_of{axes}: {unknown} do not factor the world; use axes from {WORLD_AXES}"
+            )
         if not used:
             return Group.solo("+".join(axes) or "none")
         if len(used) == 1 and not dedicated:

@@ -77,7 +77,7 @@ def ensure_parallel(module: nn.Module) -> None:
         owner.check(module)
 
 
-def install_root(cls: type) -> None:
+def install_root(cls: type[nn.Module]) -> None:
     """Give a root class whose ``forward`` is inherited a prologue, keeping the signature."""
     import functools
 

@@ -68,7 +68,7 @@ class ParallelStyle(Protocol):
         """Fix what the module caches about shapes its parameters no longer have (head counts);
         ``replicas`` is what :meth:`replicas` said before the parameters were cut."""
 
-    def attach(self, fqn: str, module: nn.Module, binding: "Binding", ctx: BindContext) -> bool:
+    def attach(self, fqn: str, module: nn.Module, binding: Binding, ctx: BindContext) -> bool:
         """Install this parallelism's own forward on a leaf module; False if it has none for it."""
 
     def gradients(self, ctx: BindContext) -> None:

@@ -2,9 +2,9 @@
 
 Every pair takes its :class:`~hp_lazy.runtime.mesh.Group` (and dims) explicitly, returns its input
 unchanged when the group has size 1 or the input is ``None`` (an optional forward argument that was
-not passed, e.g. ``encoder_hidden_states`` of a decoder-only call), works on CPU/gloo and CUDA/nccl alike (buffers are allocated
-on the input's device), normalises negative dims against ``x.dim()`` and hands contiguous tensors
-to the wire. ``W`` below is the group size, ``r`` this rank.
+not passed, e.g. ``encoder_hidden_states`` of a decoder-only call), works on CPU/gloo and
+CUDA/nccl alike (buffers are allocated on the input's device), normalises negative dims against
+``x.dim()`` and hands contiguous tensors to the wire. ``W`` below is the group size, ``r`` this rank.
 
 | name | forward | backward |
 |---|---|---|
@@ -40,7 +40,7 @@ Every c10d call goes through :mod:`hp_lazy.runtime.comm.wire`, which counts it.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -119,12 +119,12 @@ class _Pair(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, name: str, g: Group, dims: tuple[int, ...]) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, x: torch.Tensor, name: str, g: Group, dims: tuple[int, ...]) -> torch.Tensor:
         ctx.name, ctx.g, ctx.dims = name, g, dims
         return _run(PAIRS[name][0], x, g, dims, "forward")
 
     @staticmethod
-    def backward(ctx, dy: torch.Tensor):  # type: ignore[override]
+    def backward(ctx, dy: torch.Tensor):
         return _run(PAIRS[ctx.name][1], dy, ctx.g, ctx.dims[::-1], "backward"), None, None, None
 
 
@@ -197,12 +197,12 @@ class _AllToAllV(torch.autograd.Function):
     double backward too)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, g: Group, send: tuple[int, ...], recv: tuple[int, ...]) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, x: torch.Tensor, g: Group, send: tuple[int, ...], recv: tuple[int, ...]) -> torch.Tensor:
         ctx.g, ctx.send, ctx.recv = g, send, recv
         return wire.all_to_all_v(x, g, send, recv, None)  # also run by backward: phase from the engine
 
     @staticmethod
-    def backward(ctx, dy: torch.Tensor):  # type: ignore[override]
+    def backward(ctx, dy: torch.Tensor):
         return _AllToAllV.apply(dy.contiguous(), ctx.g, ctx.recv, ctx.send), None, None, None
 
 
@@ -236,13 +236,13 @@ class _GatherKV(torch.autograd.Function):
     """K and V gathered along ``dim`` in one all-gather; dK and dV reduce-scattered in one."""
 
     @staticmethod
-    def forward(ctx, k: torch.Tensor, v: torch.Tensor, g: Group, dim: int):  # type: ignore[override]
+    def forward(ctx, k: torch.Tensor, v: torch.Tensor, g: Group, dim: int):
         ctx.g, ctx.dim = g, dim
         both = wire.all_gather(torch.stack([k, v]), g, dim + 1, "forward")
         return both[0], both[1]
 
     @staticmethod
-    def backward(ctx, dk: torch.Tensor, dv: torch.Tensor):  # type: ignore[override]
+    def backward(ctx, dk: torch.Tensor, dv: torch.Tensor):
         both = wire.reduce_scatter(torch.stack([dk, dv]), ctx.g, ctx.dim + 1, "backward")
         return both[0], both[1], None, None
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import re
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -107,7 +107,9 @@ _NO_REDUCE_SCATTER: set[str] = set()  # backends that rejected reduce_scatter_te
 _UNSUPPORTED = re.compile(r"not support|unsupported|not implemented|unimplemented", re.I)
 
 
-def all_reduce(t: torch.Tensor, g: Group, phase: Phase | None, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
+def all_reduce(
+    t: torch.Tensor, g: Group, phase: Phase | None, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
+) -> torch.Tensor:
     """All-reduce ``t`` in place (``t`` must be contiguous); returns ``t``."""
     _record("all_reduce", phase)
     dist.all_reduce(t, op=op, group=g.pg)

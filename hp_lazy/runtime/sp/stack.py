@@ -12,7 +12,8 @@ tokens, so their gradient is a partial sum over tp (:func:`sequence_sharded_para
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from torch import nn
 

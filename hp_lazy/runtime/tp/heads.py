@@ -9,7 +9,7 @@ the gradient owner (:mod:`hp_lazy.runtime.grads`).
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 from torch import nn
 
@@ -63,7 +63,8 @@ def kv_replicas(fqn: str, module: nn.Module, contract: Contract, groups: Mapping
     if kv == heads or kv % tp == 0:
         return {}
     if tp % kv:
-        choices = sorted({d for d in range(1, kv + 1) if kv % d == 0} | {m for m in range(kv, heads + 1, kv) if heads % m == 0})
+        divisors = {d for d in range(1, kv + 1) if kv % d == 0}
+        choices = sorted(divisors | {m for m in range(kv, heads + 1, kv) if heads % m == 0})
         raise ShardingError(
             f"{fqn}: num_key_value_heads={kv} is not divisible by tp={tp} and tp is not a multiple of it; "
             f"use tp in {choices}"
@@ -103,4 +104,4 @@ def fit_attention_heads(
         if isinstance(getattr(module, attr, None), int):
             setattr(module, attr, local_kv)
     if isinstance(getattr(module, "num_key_value_groups", None), int):
-        module.num_key_value_groups = local_heads // local_kv
+        setattr(module, "num_key_value_groups", local_heads // local_kv)

@@ -26,7 +26,9 @@ class _VocabParallelCE(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, g: Group, vocab_start: int, ignore_index: int) -> torch.Tensor:  # type: ignore[override]
+    def forward(
+        ctx, logits: torch.Tensor, labels: torch.Tensor, g: Group, vocab_start: int, ignore_index: int
+    ) -> torch.Tensor:
         x = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
         top = x.detach().amax(dim=-1)
         _reduce_if_parallel(top, g, dist.ReduceOp.MAX)
@@ -46,7 +48,7 @@ class _VocabParallelCE(torch.autograd.Function):
         return loss.to(logits.dtype)
 
     @staticmethod
-    def backward(ctx, dloss: torch.Tensor):  # type: ignore[override]
+    def backward(ctx, dloss: torch.Tensor):
         probs, idx, mine, valid = ctx.saved_tensors
         dloss = dloss.to(probs.dtype)
         grad = probs * torch.where(valid, dloss, 0.0).unsqueeze(-1)
@@ -54,7 +56,7 @@ class _VocabParallelCE(torch.autograd.Function):
         return grad.to(ctx.dtype), None, None, None, None
 
 
-def _reduce_if_parallel(t: torch.Tensor, g: Group, op: dist.ReduceOp) -> None:
+def _reduce_if_parallel(t: torch.Tensor, g: Group, op: dist.ReduceOp.RedOpType) -> None:
     if g.size > 1:
         wire.all_reduce(t, g, "forward", op)
 

@@ -70,7 +70,7 @@ class TensorParallelStyle:
         ``grad_sum_params`` (``"*"``: the sequence-parallel stack's norms); and K/V shards kept on
         several ranks, summed over those (their piece's slot)."""
         claimed = {id(p) for _, m, c in ctx.bound if c.params for p in m.parameters()}
-        for fqn, module, contract in ctx.bound:
+        for _, module, contract in ctx.bound:
             deferred = [id(p) for p in _deferred(module, contract)]
             params: list[nn.Parameter] = []
             if shards_on(contract, "tp"):
@@ -103,7 +103,7 @@ class TensorParallelStyle:
                     f"{fqn}: output {out} on tp keeps logits vocab-sharded, which needs a transformers model "
                     "whose loss_function hp_lazy can replace; use out_dst 'R' (gathered logits) for this model"
                 )
-            ctx.root.loss_function = VocabParallelCausalLMLoss(group, group.rank * module.weight.shape[0])
+            setattr(ctx.root, "loss_function", VocabParallelCausalLMLoss(group, group.rank * module.weight.shape[0]))
 
     def prepare_inputs(self, root: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
         return args, kwargs
@@ -120,7 +120,8 @@ def _named(module: nn.Module, name: str) -> list[nn.Parameter]:
 def _refuse_expert_layouts(fqn: str, module: nn.Module, contract: Contract) -> None:
     """Packed expert weights are cut as [gate; up] blocks on dim -2; transformers' experts
     decorator also allows interleaved or transposed layouts, which that cut would scramble."""
-    packed = any(p.blocks > 1 for placements in contract.params.values() for p in placements.values() if isinstance(p, Shard))
+    cuts = [p for placements in contract.params.values() for p in placements.values() if isinstance(p, Shard)]
+    packed = any(p.blocks > 1 for p in cuts)
     if packed and (getattr(module, "is_concatenated", True) is False or getattr(module, "is_transposed", False)):
         raise ShardingError(
             f"{fqn}: expert weights stored with is_concatenated={getattr(module, 'is_concatenated', True)}, "
