@@ -40,9 +40,10 @@ def main() -> None:
     hp_lazy.parallelize(model)  # optional: the first forward would do it; do it before the optimizer
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     vocab = model.config.vocab_size
-    generator = torch.Generator().manual_seed(1234)  # the same batch on every tp rank
+    dp = hp_lazy.mesh().group("dp")  # ranks beyond tp are data parallel; hp_lazy averages their gradients
+    generator = torch.Generator().manual_seed(1234)  # one global batch, the same on every rank
     for step in range(args.steps):
-        ids = torch.randint(0, vocab, (4, 64), generator=generator)
+        ids = torch.randint(0, vocab, (4 * dp.size, 64), generator=generator).chunk(dp.size)[dp.rank]
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         optimizer.step()
