@@ -164,7 +164,7 @@ def test_fifo_entry_is_a_prompt_miss(planted: Planted) -> None:
 
 def test_oversized_entry_is_a_plain_miss(planted: Planted, monkeypatch: pytest.MonkeyPatch,
                                          caplog: pytest.LogCaptureFixture) -> None:
-    monkeypatch.setattr(cache_mod, "_MAX_ENTRY", planted.entry.stat().st_size - 1)
+    monkeypatch.setattr(cache_mod, "MAX_ENTRY", planted.entry.stat().st_size - 1)
     with warnings.catch_warnings(), caplog.at_level(logging.DEBUG, logger="hp_lazy.hook"):
         warnings.simplefilter("error")
         assert Cache(planted.root, "rw").lookup(planted.key, MODULE, SRC_SHA) == (None, None)

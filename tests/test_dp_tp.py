@@ -73,37 +73,21 @@ def test_nobody_reducing_dp_fails(pool4: DistPool, refs) -> None:
         _check(pool4, refs, "llama", "none")
 
 
-def _ddp_over_own_dp(rank: int, world: int, path: str) -> None:
-    from torch.nn.parallel import DistributedDataParallel
-
+def _wrapped_over_own_dp(rank: int, world: int, path: str, wrap: str) -> None:
     import hp_lazy
 
     model = hp_lazy.parallelize(parity._load(path))  # data_parallel=True: hp_lazy averages over dp
-    net = DistributedDataParallel(model, process_group=hp_lazy.mesh().group("dp").pg)
+    net = dpwork._wrapped(model, wrap)
     ids = dpwork.global_batch(2)[:2]
     net(input_ids=ids, labels=ids)
 
 
-def test_ddp_on_top_of_hp_lazy_dp_is_refused(pool4: DistPool, refs) -> None:
-    parity.activated(pool4, tp=2)
-    path, _ = refs("llama")
-    with pytest.raises(WorkerError, match=r"runs inside torch DistributedDataParallel, but hp_lazy already averages"):
-        pool4.run(_ddp_over_own_dp, path)
-
-
-def _fsdp_over_own_dp(rank: int, world: int, path: str) -> None:
-    from torch.distributed.fsdp import fully_shard
-
-    import hp_lazy
-
-    model = hp_lazy.parallelize(parity._load(path))  # data_parallel=True: hp_lazy averages over dp
-    fully_shard(model, mesh=hp_lazy.mesh().device_mesh["dp"])
-    ids = dpwork.global_batch(2)[:2]
-    model(input_ids=ids, labels=ids)
-
-
-def test_fsdp2_on_top_of_hp_lazy_dp_is_refused(pool4: DistPool, refs) -> None:
+@pytest.mark.parametrize(("wrap", "text"), [
+    ("ddp", r"runs inside torch DistributedDataParallel, but hp_lazy already averages"),
+    ("fsdp", r"was replaced after hp_lazy bound the model \(by FSDP2's fully_shard\?\)"),
+])
+def test_a_dp_wrapper_on_top_of_hp_lazy_dp_is_refused(pool4: DistPool, refs, wrap: str, text: str) -> None:
     parity.activated(pool4, tp=2)
     path, _ = refs("qwen3")
-    with pytest.raises(WorkerError, match=r"was replaced after hp_lazy bound the model \(by FSDP2's fully_shard\?\)"):
-        pool4.run(_fsdp_over_own_dp, path)
+    with pytest.raises(WorkerError, match=text):
+        pool4.run(_wrapped_over_own_dp, path, wrap)

@@ -37,8 +37,9 @@ and is a miss. Directories hp_lazy creates are 0700 whatever the umask.
 
 A location that fails these checks is never read again by this process: lowered code is kept in
 memory and one :class:`CacheTrustWarning` names the path, what is wrong and the fix
-(``HP_LAZY_STRICT=1``: :class:`CacheTrustError` instead). An unusable directory (read-only, not a
-directory) also makes the cache fall back to memory, logged once.
+(``HP_LAZY_STRICT=1``: :class:`CacheTrustError` instead); the checks are :mod:`hp_lazy.hook.trust`.
+An unusable directory (read-only, not a directory) also makes the cache fall back to memory, logged
+once.
 
 ``HP_LAZY_CACHE=off|ro|rw`` (default ``rw``; ``HP_LAZY_DISABLE_CACHE=1`` = off).
 PYTHONDONTWRITEBYTECODE / ``-B`` is deliberately
@@ -49,7 +50,6 @@ silently turn every import into a miss). Lowered bytecode is never written to ``
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import hmac
 import importlib.util
@@ -57,7 +57,6 @@ import json
 import logging
 import marshal
 import os
-import secrets
 import shutil
 import socket
 import stat
@@ -67,18 +66,30 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from types import CodeType
-from typing import Literal
 
-from hp_lazy.errors import HpLazyError
+from hp_lazy.hook.trust import (
+    FILE_FLAGS,
+    KEY_NAME,
+    MAX_ENTRY,
+    CacheTrustError,
+    Mode,
+    Trust,
+    make_key,
+    open_below,
+    open_dir,
+    read_bounded,
+    read_file,
+    read_key,
+    sweep_stale,
+)
 
 logger = logging.getLogger("hp_lazy.hook")
 
-Mode = Literal["off", "ro", "rw"]
 _MODES: tuple[str, ...] = ("off", "ro", "rw")
 _MAGIC = b"HPLZ"
 _FORMAT = 2
@@ -86,18 +97,6 @@ _HEADER = struct.Struct("<4sHH4s32s32s32sI")
 _MAC = slice(76, 108)  # the HMAC field of _HEADER
 _SUFFIX = ".hplz"
 _LAYOUT = "v1"
-_KEY_NAME = "key"
-_KEY_BYTES = 32
-_MAX_ENTRY = 64 << 20
-_STALE_TMP_S = 600.0
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-_NEW_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-_DIR_FIX = "set HP_LAZY_CACHE_DIR to a directory of your own"
-
-
-class CacheTrustError(HpLazyError, PermissionError):
-    """A cache directory, entry or key file could have been written by someone else."""
 
 
 class CacheTrustWarning(UserWarning):
@@ -217,11 +216,11 @@ class Cache:
 
     def _read(self, path: Path) -> tuple[bytes, bytes]:
         """(entry bytes, key) after every trust check; FileNotFoundError while there is no key."""
-        trust = _Trust.for_mode(self.mode)
+        trust = Trust.for_mode(self.mode)
         with self._levels(path, trust, create=False) as (root_fd, dir_fd):
             secret = self._key(root_fd, trust, create=False)
             fix = f"remove it (rm {path}); the next run writes a fresh one"
-            return _read_file(path.name, dir_fd, path, trust, fix, limit=_MAX_ENTRY), secret
+            return read_file(path.name, dir_fd, path, trust, fix, limit=MAX_ENTRY), secret
 
     # -- write -------------------------------------------------------------------------------
     def store(self, key: str, module: str, source_sha256: str, code: CodeType, origin: str) -> Path | None:
@@ -242,20 +241,20 @@ class Cache:
         return None
 
     def _write(self, path: Path, encode: Callable[[bytes], bytes]) -> None:
-        trust = _Trust.for_mode(self.mode)
+        trust = Trust.for_mode(self.mode)
         with self._levels(path, trust, create=True) as (root_fd, dir_fd):
             blob = encode(self._key(root_fd, trust, create=True))
-            _sweep_stale(dir_fd, trust.euid)
+            sweep_stale(dir_fd, trust.euid)
             _write_atomic(path, blob)
 
     # -- trust -------------------------------------------------------------------------------
     @contextmanager
-    def _levels(self, path: Path, trust: _Trust, create: bool) -> Iterator[tuple[int, int]]:
+    def _levels(self, path: Path, trust: Trust, create: bool) -> Iterator[tuple[int, int]]:
         """(fd of root, fd of the entry's directory), every level checked on the way down."""
-        root_fd = _open_dir(str(self.root), None, self.root, trust, create)
+        root_fd = open_dir(str(self.root), None, self.root, trust, create)
         try:
             below = path.relative_to(self.root).parts[:-1]
-            dir_fd = _open_below(root_fd, self.root, below, trust, create)
+            dir_fd = open_below(root_fd, self.root, below, trust, create)
             try:
                 yield root_fd, dir_fd
             finally:
@@ -263,18 +262,18 @@ class Cache:
         finally:
             os.close(root_fd)
 
-    def _key(self, root_fd: int, trust: _Trust, create: bool) -> bytes:
+    def _key(self, root_fd: int, trust: Trust, create: bool) -> bytes:
         """The secret in <root>/key, made first if ``create``; FileNotFoundError if there is none."""
         if self._secret is None:
-            shown = self.root / _KEY_NAME
+            shown = self.root / KEY_NAME
             try:
-                self._secret = _read_key(root_fd, shown, trust)
+                self._secret = read_key(root_fd, shown, trust)
             except FileNotFoundError:
                 if not create:
                     raise
-                _sweep_stale(root_fd, trust.euid)
-                _make_key(root_fd)
-                self._secret = _read_key(root_fd, shown, trust)
+                sweep_stale(root_fd, trust.euid)
+                make_key(root_fd)
+                self._secret = read_key(root_fd, shown, trust)
         return self._secret
 
     def _refuse(self, exc: CacheTrustError) -> None:
@@ -312,183 +311,6 @@ class Cache:
         removed = sum(1 for p in base.rglob("*") if p.is_file())
         shutil.rmtree(base)
         return removed
-
-
-@dataclass(frozen=True)
-class _Trust:
-    """Who may have written what the cache reads: this euid, and root too in ``ro`` mode."""
-
-    euid: int
-    root_ok: bool
-
-    @classmethod
-    def for_mode(cls, mode: Mode) -> _Trust:
-        return cls(os.geteuid(), mode == "ro")
-
-    def owner(self, st: os.stat_result, shown: Path, fix: str) -> None:
-        if st.st_uid == self.euid or (self.root_ok and st.st_uid == 0):
-            return
-        you = f"you (uid {self.euid})" + (" or root" if self.root_ok and self.euid != 0 else "")
-        raise _refusal(shown, f"owned by uid {st.st_uid}, not {you}", fix)
-
-    def directory(self, st: os.stat_result, shown: Path) -> None:
-        self.owner(st, shown, _DIR_FIX)
-        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-            mode = oct(stat.S_IMODE(st.st_mode))
-            raise _refusal(shown, f"mode {mode} is group/world-writable", f"chmod 700 {shown}, or {_DIR_FIX}")
-
-    def file(self, st: os.stat_result, shown: Path, fix: str, *, private: bool) -> None:
-        """A regular file of an accepted owner; ``private``: no group/other bits at all."""
-        if not stat.S_ISREG(st.st_mode):
-            raise _refusal(shown, f"is a {_kind(st.st_mode)}, not a regular file", fix)
-        self.owner(st, shown, fix)
-        banned, what = (0o077, "lets group/others at it") if private else (0o022, "is group/world-writable")
-        if st.st_mode & banned:
-            raise _refusal(shown, f"mode {oct(stat.S_IMODE(st.st_mode))} {what}", fix)
-
-
-def _refusal(shown: Path, problem: str, fix: str) -> CacheTrustError:
-    return CacheTrustError(
-        f"hp_lazy cache: {shown}: {problem}, so someone else could have written the code it holds; "
-        f"{fix}. Lowered code is kept in memory for this process"
-    )
-
-
-_KINDS = ((stat.S_ISFIFO, "FIFO"), (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"),
-          (stat.S_ISDIR, "directory"), (stat.S_ISSOCK, "socket"), (stat.S_ISLNK, "symlink"))
-
-
-def _kind(mode: int) -> str:
-    return next((name for test, name in _KINDS if test(mode)), "special file")
-
-
-def _open(name: str, flags: int, dir_fd: int | None, shown: Path, fix: str) -> int:
-    """``os.open`` that names a symlink as such (O_NOFOLLOW fails with ELOOP or ENOTDIR)."""
-    try:
-        return os.open(name, flags, dir_fd=dir_fd)
-    except OSError as exc:
-        if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
-            raise
-        if stat.S_ISLNK(os.lstat(name, dir_fd=dir_fd).st_mode):
-            raise _refusal(shown, "is a symlink", fix) from None
-        raise NotADirectoryError(exc.errno, "not a directory", str(shown)) from None
-
-
-def _open_dir(name: str, parent_fd: int | None, shown: Path, trust: _Trust, create: bool) -> int:
-    """A checked directory fd; ``create``: make it (and, for the root, its ancestors) 0700 first."""
-    made = False
-    try:
-        fd = _open(name, _DIR_FLAGS, parent_fd, shown, _DIR_FIX)
-    except FileNotFoundError:
-        if not create:
-            raise
-        if parent_fd is None:
-            _make_parents(shown)
-        made = _mkdir(name, parent_fd)
-        fd = _open(name, _DIR_FLAGS, parent_fd, shown, _DIR_FIX)
-    try:
-        if made:
-            os.fchmod(fd, 0o700)  # whatever the umask took away or left
-        trust.directory(os.fstat(fd), shown)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def _open_below(top_fd: int, top: Path, parts: tuple[str, ...], trust: _Trust, create: bool) -> int:
-    """A new fd of ``top/parts...`` (at least one part), each level checked."""
-    fd, shown = top_fd, top
-    for part in parts:
-        shown = shown / part
-        try:
-            child = _open_dir(part, fd, shown, trust, create)
-        finally:
-            if fd != top_fd:
-                os.close(fd)
-        fd = child
-    return fd
-
-
-def _mkdir(name: str, parent_fd: int | None) -> bool:
-    """True if this call made the directory (mode fixed by the caller)."""
-    try:
-        os.mkdir(name, 0o700, dir_fd=parent_fd)
-    except FileExistsError:
-        return False
-    return True
-
-
-def _make_parents(path: Path) -> None:
-    """The missing ancestors of the cache root, each 0700 whatever the umask."""
-    for parent in reversed([p for p in path.parents if not p.exists()]):
-        if _mkdir(str(parent), None):
-            os.chmod(parent, 0o700)
-
-
-def _read_file(name: str, dir_fd: int, shown: Path, trust: _Trust, fix: str, *, limit: int,
-               private: bool = False) -> bytes:
-    """The bytes of a checked regular file, at most ``limit``; never follows a link, never blocks."""
-    fd = _open(name, _FILE_FLAGS, dir_fd, shown, fix)
-    try:
-        st = os.fstat(fd)
-        trust.file(st, shown, fix, private=private)
-        if st.st_size > limit:
-            raise OSError(errno.EFBIG, f"{st.st_size} bytes, over the {limit}-byte cap", str(shown))
-        return _read_bounded(fd, limit)
-    finally:
-        os.close(fd)
-
-
-def _read_bounded(fd: int, limit: int) -> bytes:
-    chunks: list[bytes] = []
-    total = 0
-    while total <= limit:
-        chunk = os.read(fd, min(limit + 1 - total, 1 << 20))
-        if not chunk:
-            return b"".join(chunks)
-        chunks.append(chunk)
-        total += len(chunk)
-    raise OSError(errno.EFBIG, f"grew past the {limit}-byte cap while being read")
-
-
-def _read_key(root_fd: int, shown: Path, trust: _Trust) -> bytes:
-    fix = f"remove it (rm {shown}); the next write makes a new key, and entries signed with the old one become misses"
-    secret = _read_file(_KEY_NAME, root_fd, shown, trust, fix, limit=4096, private=True)
-    if len(secret) != _KEY_BYTES:
-        raise _refusal(shown, f"holds {len(secret)} bytes, not {_KEY_BYTES}", fix)
-    return secret
-
-
-def _make_key(root_fd: int) -> None:
-    """Publish 32 random bytes as <root>/key, 0600; link(2) never replaces a concurrent writer's."""
-    tmp = f"{_KEY_NAME}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-    fd = os.open(tmp, _NEW_FLAGS, 0o600, dir_fd=root_fd)
-    try:
-        try:
-            os.fchmod(fd, 0o600)
-            if os.write(fd, secrets.token_bytes(_KEY_BYTES)) != _KEY_BYTES:
-                raise OSError(errno.EIO, "short write of the cache key")
-        finally:
-            os.close(fd)
-        os.link(tmp, _KEY_NAME, src_dir_fd=root_fd, dst_dir_fd=root_fd)
-    except FileExistsError:
-        pass
-    finally:
-        os.unlink(tmp, dir_fd=root_fd)
-
-
-def _sweep_stale(dir_fd: int, euid: int) -> None:
-    """Remove our own ``*.tmp`` regular files older than 10 minutes (killed writers' leftovers)."""
-    cutoff = time.time() - _STALE_TMP_S
-    with os.scandir(dir_fd) as entries:
-        for entry in entries:
-            if not entry.name.endswith(".tmp"):
-                continue
-            with suppress(FileNotFoundError):
-                st = entry.stat(follow_symlinks=False)
-                if stat.S_ISREG(st.st_mode) and st.st_uid == euid and st.st_mtime < cutoff:
-                    os.unlink(entry.name, dir_fd=dir_fd)
 
 
 def _meta(module: str, origin: str, key: str) -> bytes:
@@ -555,11 +377,11 @@ def _decode(blob: bytes, key: str, source_sha256: str, secret: bytes) -> tuple[C
 def read_meta(path: Path) -> dict[str, object] | None:
     """The meta JSON of one cache file (no unmarshalling, no trust check), or None if unreadable."""
     try:
-        fd = os.open(path, _FILE_FLAGS)
+        fd = os.open(path, FILE_FLAGS)
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 return None
-            blob = _read_bounded(fd, _MAX_ENTRY)
+            blob = read_bounded(fd, MAX_ENTRY)
         finally:
             os.close(fd)
         meta_len = _HEADER.unpack_from(blob)[-1]

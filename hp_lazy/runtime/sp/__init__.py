@@ -1,0 +1,1 @@
+"""Sequence parallel: the decoder-layer stack as the boundary, and which gradients it makes partial."""
