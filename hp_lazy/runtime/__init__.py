@@ -1,5 +1,8 @@
-"""Run time: process groups and mesh (``mesh``), autograd collectives (``collectives``), parameter
-sharding and binding (``shard``, ``bind``), and the names lowered code calls (``rt``).
+"""Run time: the walker (``bind``) and the styles it calls, one room per parallelism (``tp/``,
+``sp/``; ``style`` is the protocol), the parameter layout table (``layout``), the gradient owner
+(``grads``), per-instance bindings (``binding``), torch leaves (``leaves``), the mesh (``mesh``),
+the collectives (``comm/``: the wire and the autograd pairs) and the names lowered code calls
+(``rt``). ``docs/architecture.md`` has the picture.
 
 Nothing is imported here, so ``import hp_lazy.runtime.mesh`` costs only what that module needs.
 """
