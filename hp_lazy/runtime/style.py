@@ -14,7 +14,7 @@ Data parallel has no boundaries: its whole policy is the gradient owner's dp ave
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from torch import nn
 
@@ -52,7 +52,9 @@ class BindContext:
 
 class ParallelStyle(Protocol):
     """One parallelism, as the walker calls it, in this order for every matched boundary and
-    then once per root."""
+    then once per root. (Preparing the root's inputs — context parallel sharding the batch — is
+    the next method, added with the first style that needs it and its call site in the root
+    prologue.)"""
 
     axis: str
 
@@ -76,9 +78,6 @@ class ParallelStyle(Protocol):
 
     def finish(self, ctx: BindContext) -> None:
         """Model-level policy once every boundary is bound (the loss on sharded logits)."""
-
-    def prepare_inputs(self, root: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
-        """The root's inputs as this parallelism needs them (context parallel shards the batch)."""
 
 
 def params_matching(module: nn.Module, name: str) -> list[tuple[str, nn.Parameter]]:

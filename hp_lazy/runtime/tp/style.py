@@ -13,8 +13,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from torch import nn
 
 from hp_lazy.errors import ShardingError
@@ -105,8 +103,6 @@ class TensorParallelStyle:
                 )
             setattr(ctx.root, "loss_function", VocabParallelCausalLMLoss(group, group.rank * module.weight.shape[0]))
 
-    def prepare_inputs(self, root: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
-        return args, kwargs
 
 
 def _deferred(module: nn.Module, contract: Contract) -> list[nn.Parameter]:
