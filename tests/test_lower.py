@@ -354,7 +354,8 @@ def test_slice_and_lower_parse_the_source_once(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(source_mod.ast, "parse", lambda text, *a, **k: calls.append(text) or real_parse(text, *a, **k))
     text = SIMPLE + f"\n# {uuid.uuid4()}\n"
     raw = {"mesh": {"tp": 2}, "modules": ["pkg.mod"], "boundaries": {"b": {"params": {"w": {"tp": "S(1)"}},
-           "in_src": {"hidden_states": {"tp": "R"}}}}, "boundary_classes": {"b": "Block"}}
+           "in_src": {"hidden_states": {"tp": "R"}}, "out_src": {"output": {"tp": "P(sum)"}}}},
+           "boundary_classes": {"b": "Block"}}
     module_plan = Plan.from_dict(raw).slice("pkg.mod", text)
     compile(lower(text, module_plan, "simple.py"), "simple.py", "exec")
     assert calls.count(text) == 1  # (the other parses are the generated fragments)

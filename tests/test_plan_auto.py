@@ -36,6 +36,7 @@ LM_HEAD = {
     "in_src": {"input": R}, "in_dst": {"input": R},
     "out_src": {"output": {"tp": "S(-1)"}}, "out_dst": {"output": R},
     "params": {"weight": {"tp": "S(0)"}, "bias": {"tp": "S(0)"}},
+    "optional_params": ["bias"],  # the config decides whether a Linear has a bias
 }
 
 
@@ -53,11 +54,13 @@ def test_llama_contracts() -> None:
             "out_src": {"output": P}, "out_dst": {"output": R},
             "params": {**colwise("q_proj", "k_proj", "v_proj"), "o_proj.weight": {"tp": "S(1)"}},
             "deferred_bias_params": ["o_proj.bias"],
+            "optional_params": [f"{n}.bias" for n in ("k_proj", "o_proj", "q_proj", "v_proj")],
         },
         "model.layers.*.mlp": {
             "in_src": {"x": R}, "in_dst": {"x": R}, "out_src": {"output": P}, "out_dst": {"output": R},
             "params": {**colwise("gate_proj", "up_proj"), "down_proj.weight": {"tp": "S(1)"}},
             "deferred_bias_params": ["down_proj.bias"],
+            "optional_params": [f"{n}.bias" for n in ("down_proj", "gate_proj", "up_proj")],
         },
     }
 
@@ -91,7 +94,7 @@ def test_phi3_gathered_colwise_and_split_rowwise_become_leaf_contracts() -> None
     assert got["model.layers.*.mlp.down_proj"] == {
         "in_src": {"input": R}, "in_dst": {"input": {"tp": "S(-1)"}},
         "out_src": {"output": P}, "out_dst": {"output": R},
-        "params": {"weight": {"tp": "S(1)"}}, "deferred_bias_params": ["bias"],
+        "params": {"weight": {"tp": "S(1)"}}, "deferred_bias_params": ["bias"], "optional_params": ["bias"],
     }
     assert "model.layers.*.mlp" not in got
 

@@ -163,7 +163,8 @@ ROW = {
 
 
 def test_slice_fills_the_module_plan() -> None:
-    p = plan({"model.layers.*.self_attn": ROW, "lm_head": {"params": {"weight": {"tp": "S(0)"}}}})
+    head = {"in_src": {"input": {"tp": "R"}}, "out_src": {"output": {"tp": "S(-1)"}}, "params": {"weight": {"tp": "S(0)"}}}
+    p = plan({"model.layers.*.self_attn": ROW, "lm_head": head})
     sliced = p.slice(MOD, SOURCE)
     assert sliced is not None
     assert sliced.classes == {"lm_head": "torch.nn.Linear", "model.layers.*.self_attn": "Attention"}
@@ -230,10 +231,11 @@ def test_override_naming_a_missing_class_is_an_error() -> None:
 
 
 def test_shared_class_needs_identical_contracts_except_params() -> None:
-    first = {"in_src": {"x": {"tp": "R"}}, "params": {"up.weight": {"tp": "S(0)"}}}
-    same_but_params = {"in_src": {"x": {"tp": "R"}}, "params": {"up.weight": {"tp": "S(1)"}}}
+    out = {"output": {"tp": "P(sum)"}}
+    first = {"in_src": {"x": {"tp": "R"}}, "out_src": out, "params": {"up.weight": {"tp": "S(0)"}}}
+    same_but_params = {"in_src": {"x": {"tp": "R"}}, "out_src": out, "params": {"up.weight": {"tp": "S(1)"}}}
     assert plan({"model.extra.*": first, "model.layers.*.mlp": same_but_params}).slice(MOD, SOURCE) is not None
-    other = {"in_src": {"x": {"tp": "S(1)"}}}
+    other = {"in_src": {"x": {"tp": "R"}, "y": {"tp": "R"}}, "out_src": out, "params": {"up.weight": {"tp": "S(0)"}}}
     text = slice_error(plan({"model.extra.*": first, "model.layers.*.mlp": other}))
     assert "boundaries 'model.extra.*' and 'model.layers.*.mlp' both lower class 'MLP' but differ in in_src" in text
     assert "give them identical contracts (only params may differ)" in text

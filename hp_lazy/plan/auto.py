@@ -157,11 +157,11 @@ class _Builder:
         if rule.style == "rowwise_split_input":
             return {"in_src": {x: {"tp": "R"}}, "in_dst": {x: {"tp": "S(-1)"}},
                     "out_src": {"output": {"tp": "P(sum)"}}, "out_dst": {"output": {"tp": "R"}},
-                    "params": {"weight": {"tp": "S(1)"}}, "deferred_bias_params": ["bias"]}
+                    "params": {"weight": {"tp": "S(1)"}}, "deferred_bias_params": ["bias"], "optional_params": ["bias"]}
         out_dst = "S(-1)" if (self.loss_parallel and rule.head) else "R"
         return {"in_src": {x: {"tp": "R"}}, "in_dst": {x: {"tp": "R"}},
                 "out_src": {"output": {"tp": "S(-1)"}}, "out_dst": {"output": {"tp": out_dst}},
-                "params": {"weight": {"tp": "S(0)"}, "bias": {"tp": "S(0)"}}}
+                "params": {"weight": {"tp": "S(0)"}, "bias": {"tp": "S(0)"}}, "optional_params": ["bias"]}
 
     def _embedding(self, rule: Rule) -> dict:
         name = self._class_of(rule, rule.key)
@@ -200,7 +200,9 @@ class _Builder:
         for (base, _parent), rs in parents.items():
             for rule in rs:
                 home = self._home(rule, pairs, base)
-                body = bodies.setdefault(home, {"params": {}, "deferred_bias_params": [], "grad_sum_params": []})
+                body = bodies.setdefault(
+                    home, {"params": {}, "deferred_bias_params": [], "grad_sum_params": [], "optional_params": []}
+                )
                 self._child(rule, home[1], body)
         heads = []
         for (base, parent) in sorted(bodies):
@@ -244,6 +246,7 @@ class _Builder:
                 body["deferred_bias_params"].append(f"{rel}.bias")
             else:
                 params[f"{rel}.bias"] = {"tp": shard}
+            body["optional_params"].append(f"{rel}.bias")  # the config may turn biases off
 
     def _is_param(self, rule: Rule) -> bool:
         owner_key, _, leaf = rule.key.rpartition(".")
@@ -291,7 +294,7 @@ class _Builder:
                "out_src": {"output": {"tp": "P(sum)"}}, "out_dst": {"output": {"tp": dst}}, "params": body["params"]}
         for extra in self._cross_inputs(name, x):  # cross-attention: also projected by the colwise k/v
             out["in_src"][extra] = out["in_dst"][extra] = {"tp": "R"}
-        for field in ("deferred_bias_params", "grad_sum_params"):
+        for field in ("deferred_bias_params", "grad_sum_params", "optional_params"):
             if body[field]:
                 out[field] = sorted(body[field])
         return out

@@ -109,6 +109,9 @@ class Contract:
     grad_sum_params: tuple[str, ...] = ()
     """Replicated parameters whose gradient is a partial sum over tp (q/k norms between a colwise
     and a rowwise Linear; norms on sequence-sharded activations): all-reduced in backward."""
+    optional_params: tuple[str, ...] = ()
+    """Names in ``params`` or ``deferred_bias_params`` the model may not have (a bias the config can
+    turn off): absent, they are skipped; any other planned parameter that matches nothing is an error."""
     skip_source_lowering: bool = False
     """Bind the contract at run time only (leaf modules, shared classes); do not rewrite source."""
     inner: InnerOp | None = None
@@ -132,7 +135,7 @@ class Contract:
             value = getattr(self, side)
             if value:
                 out[side] = {name: {axis: str(p) for axis, p in axes.items()} for name, axes in value.items()}
-        for name in ("deferred_bias_params", "grad_sum_params"):
+        for name in ("deferred_bias_params", "grad_sum_params", "optional_params"):
             if getattr(self, name):
                 out[name] = list(getattr(self, name))
         if self.skip_source_lowering:

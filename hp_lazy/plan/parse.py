@@ -37,7 +37,8 @@ from hp_lazy.plan.transitions import output_index
 TOP_KEYS = ("version", "mesh", "modules", "boundaries", "boundary_classes", "auto")
 PLACEMENT_SIDES = ("in_src", "in_dst", "out_src", "out_dst", "params")
 CONTRACT_KEYS = (
-    *PLACEMENT_SIDES, "deferred_bias_params", "grad_sum_params", "skip_source_lowering", "inner", "region"
+    *PLACEMENT_SIDES, "deferred_bias_params", "grad_sum_params", "optional_params", "skip_source_lowering", "inner",
+    "region",
 )
 INNER_KEYS = ("call", "kind")
 REGION_KEYS = ("kind",)
@@ -182,6 +183,7 @@ def contract_from_dict(pattern: str, data: object, mesh: Mapping[str, int]) -> C
         **sides,
         deferred_bias_params=_parse_names(f"{where}.deferred_bias_params", body.get("deferred_bias_params", [])),
         grad_sum_params=_parse_names(f"{where}.grad_sum_params", body.get("grad_sum_params", [])),
+        optional_params=_parse_names(f"{where}.optional_params", body.get("optional_params", [])),
         skip_source_lowering=skip,
         inner=_parse_inner(f"{where}.inner", body["inner"]) if "inner" in body else None,
         region=_parse_region(f"{where}.region", body["region"]) if "region" in body else None,

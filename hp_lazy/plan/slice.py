@@ -13,6 +13,7 @@ from typing import Protocol
 
 from hp_lazy.errors import PlanError
 from hp_lazy.plan.auto import auto_parts
+from hp_lazy.plan.consistency import check_plan
 from hp_lazy.plan.model import AutoFlags, Contract, ModulePlan, sha256_json
 from hp_lazy.plan.resolve import ModuleFacts, analyze, resolve_pattern
 
@@ -43,7 +44,11 @@ class _Applied:
     starts: frozenset[str]
 
 
-_COMPARED = ("in_src", "in_dst", "out_src", "out_dst", "deferred_bias_params", "grad_sum_params", "inner", "region")
+_COMPARED = (
+    "in_src", "in_dst", "out_src", "out_dst", "deferred_bias_params", "grad_sum_params", "optional_params", "inner",
+    "region",
+)
+
 
 def slice_plan(plan: PlanSource, module: str, source: str) -> ModulePlan | None:
     """None when the plan does not target ``module`` or nothing of it applies there."""
@@ -62,6 +67,7 @@ def slice_plan(plan: PlanSource, module: str, source: str) -> ModulePlan | None:
     if not applied:
         return None
     _check_shared_classes(module, applied)
+    check_plan([(a.contract, a.cls) for a in applied], plan.mesh)
     sliced = ModulePlan(
         module=module,
         plan_hash=plan.hash,

@@ -22,6 +22,7 @@ from hp_lazy.errors import ShardingError
 from hp_lazy.names import BINDING, BOUND, FORM, GRADS_ATTR, LAYOUT_ATTR
 from hp_lazy.plan.fqn import compile_glob
 from hp_lazy.plan.model import Contract, ModulePlan
+from hp_lazy.plan.placement import Partial, Shard
 from hp_lazy.runtime import leaves, options, registry
 from hp_lazy.runtime.binding import Binding, compile_ops
 from hp_lazy.runtime.grads import GradOwner, rules_for
@@ -207,7 +208,7 @@ def _bind_boundary(
         groups=ctx.groups,
         in_ops=compile_ops(contract, ctx.groups, entry=True),
         out_ops=compile_ops(contract, ctx.groups, entry=False),
-        deferred_biases=_defer_biases(module, contract),
+        deferred_biases=_defer_biases(fqn, module, contract),
     )
     setattr(module, BINDING, binding)
     if hasattr(type(module), FORM) and not contract.skip_source_lowering:
@@ -224,10 +225,11 @@ def _partition(
     """Lay every planned parameter out on every axis and replace it by this rank's shard."""
     for name, placements in sorted(contract.params.items()):
         params = params_matching(module, name)
-        if not params and not name.endswith("bias"):
+        if not params and name not in contract.optional_params:
             raise ShardingError(
                 f"{fqn}: the plan shards parameter {name!r} but the module has none "
-                f"(it has {sorted(n for n, _ in module.named_parameters())[:8]}); fix the plan's params"
+                f"(it has {sorted(n for n, _ in module.named_parameters())[:8]}); fix the plan's params, or "
+                "list the name in optional_params if the model may not have it"
             )
         for pname, param in params:
             full = f"{fqn}.{pname}" if fqn else pname
@@ -247,17 +249,43 @@ def _partition(
             shard_in_place(param, layout)
 
 
-def _defer_biases(module: nn.Module, contract: Contract) -> tuple[tuple[nn.Module, str], ...]:
+def _defer_biases(fqn: str, module: nn.Module, contract: Contract) -> tuple[tuple[nn.Module, str], ...]:
     """Rowwise biases, kept out of their Linear and added once after the reduction."""
+    _check_rowwise_biases(fqn, module, contract)
     biases = []
     for name in contract.deferred_bias_params:
         if get_param(module, name) is None:
-            continue  # the model was built without this bias (e.g. attention_bias=False)
+            if name in contract.optional_params:
+                continue  # the model was built without this bias (e.g. attention_bias=False)
+            raise ShardingError(
+                f"{fqn}: the plan defers bias {name!r} but the module has none; fix deferred_bias_params, or "
+                "list the name in optional_params if the model may not have it"
+            )
         owner_name, _, leaf = name.rpartition(".")
         owner = module.get_submodule(owner_name) if owner_name else module
         leaves.suppress_bias(owner)
         biases.append((owner, leaf))
     return tuple(biases)
+
+
+def _check_rowwise_biases(fqn: str, module: nn.Module, contract: Contract) -> None:
+    """In a boundary whose output is a partial sum, a bias the model has on a rowwise weight
+    (``<x>.weight`` cut on its input dim) must be deferred: added on every rank, it would count
+    once per rank."""
+    for name, spec in sorted(contract.params.items()):
+        if not (name == "weight" or name.endswith(".weight")):
+            continue
+        for axis, weight in spec.items():
+            out = contract.placement("out_src", "output", axis)
+            if not isinstance(weight, Shard) or weight.dim not in (1, -1) or not isinstance(out, Partial):
+                continue
+            bias = name[: -len("weight")] + "bias"
+            if get_param(module, bias) is not None and bias not in contract.deferred_bias_params:
+                raise ShardingError(
+                    f"{fqn}: {name} is rowwise ({weight} on {axis}) and the module has {bias!r}, which the plan "
+                    f"does not defer: added on every rank before the {axis} reduction it would count "
+                    f"{axis}-fold; add {bias!r} to deferred_bias_params"
+                )
 
 
 def _alias_tied(ctx: BindContext) -> None:

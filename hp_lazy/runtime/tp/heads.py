@@ -77,6 +77,28 @@ def kv_replicas(fqn: str, module: nn.Module, contract: Contract, groups: Mapping
     return replicas
 
 
+def check_projections(fqn: str, module: nn.Module, contract: Contract, groups: Mapping[str, Group]) -> None:
+    """An attention module whose head counts tp divides must have every projection to heads planned:
+    a q/k/v Linear the plan leaves out would give every rank all heads of it, silently."""
+    group = groups.get("tp")
+    counts = _head_counts(module)
+    if group is None or group.size == 1 or counts is None or not _tp_sharded_rows(contract):
+        return
+    heads, kv, head_dim = counts
+    planned = {
+        name[: -len("weight")].rstrip(".")
+        for name, spec in contract.params.items()
+        if (name == "weight" or name.endswith(".weight")) and isinstance(spec.get("tp"), Shard)
+    }
+    for name, sub in module.named_modules():
+        if isinstance(sub, nn.Linear) and sub.out_features in (heads * head_dim, kv * head_dim) and name not in planned:
+            raise ShardingError(
+                f"{fqn}.{name}: projects to {sub.out_features} features ({heads} heads or {kv} kv heads of "
+                f"{head_dim}) but the plan does not shard it, while the plan shards the other head projections "
+                f"on tp={group.size}; add {name}.weight with S(0) on tp to the plan's params"
+            )
+
+
 def _param(module: nn.Module, name: str) -> nn.Parameter | None:
     owner, _, leaf = name.rpartition(".")
     try:

@@ -23,7 +23,7 @@ from hp_lazy.runtime.layout import plan_layout, shard_in_place
 from hp_lazy.runtime.sp.stack import scatters_output, sequence_sharded_params
 from hp_lazy.runtime.style import BindContext, params_matching
 from hp_lazy.runtime.tp.embedding import install_vocab_parallel, vocab_sharded
-from hp_lazy.runtime.tp.heads import fit_attention_heads, kv_replicas
+from hp_lazy.runtime.tp.heads import check_projections, fit_attention_heads, kv_replicas
 from hp_lazy.runtime.tp.loss import VocabParallelCausalLMLoss
 
 # Attributes of modules whose forward takes statistics over the features a colwise split shards:
@@ -43,6 +43,7 @@ class TensorParallelStyle:
     def validate(self, fqn: str, module: nn.Module, contract: Contract, ctx: BindContext) -> None:
         _refuse_feature_statistics(fqn, module, shards_on(contract, "tp"))
         _refuse_expert_layouts(fqn, module, contract)
+        check_projections(fqn, module, contract, ctx.groups)
 
     def replicas(self, fqn: str, module: nn.Module, contract: Contract, ctx: BindContext) -> dict[str, int]:
         return kv_replicas(fqn, module, contract, ctx.groups)

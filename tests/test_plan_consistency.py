@@ -1,0 +1,100 @@
+"""The consistency rules a contract must keep (hp_lazy.plan.consistency), each with its text; the
+cases are the mutants that once validated and trained wrong."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from hp_lazy.errors import PlanError
+from hp_lazy.plan.consistency import check_plan
+from hp_lazy.plan.parse import contract_from_dict
+
+R, P = {"tp": "R"}, {"tp": "P(sum)"}
+MESH = {"tp": 2}
+ATTN: dict[str, Any] = {
+    "in_src": {"hidden_states": R}, "in_dst": {"hidden_states": R},
+    "out_src": {"output": P}, "out_dst": {"output": R},
+    "params": {"q_proj.weight": {"tp": "S(0)"}, "q_proj.bias": {"tp": "S(0)"}, "o_proj.weight": {"tp": "S(1)"}},
+    "deferred_bias_params": ["o_proj.bias"], "optional_params": ["q_proj.bias", "o_proj.bias"],
+}
+EMBED: dict[str, Any] = {
+    "in_src": {"input": R}, "in_dst": {"input": R}, "out_src": {"output": P}, "out_dst": {"output": R},
+    "params": {"weight": {"tp": "S(0)"}},
+}
+
+
+def check(pattern: str, body: dict[str, Any], cls: str = "Attention", extra: tuple = ()) -> None:
+    contracts = [(contract_from_dict(pattern, body, MESH), cls)]
+    contracts += [(contract_from_dict(p, b, MESH), c) for p, b, c in extra]
+    check_plan(contracts, MESH)
+
+
+def without(body: dict[str, Any], *keys: str) -> dict[str, Any]:
+    return {k: v for k, v in body.items() if k not in keys}
+
+
+def test_the_auto_shapes_pass() -> None:
+    check("model.layers.*.self_attn", ATTN)
+    check("model.embed_tokens", EMBED, "torch.nn.Embedding")
+
+
+def test_inputs_dropped_is_refused() -> None:
+    with pytest.raises(PlanError, match=r"model.layers.\*.self_attn: the contract shards parameters on tp but declares "
+                                        r"no input, so the gradient of its input would stay a partial sum over tp"):
+        check("model.layers.*.self_attn", without(ATTN, "in_src", "in_dst"))
+
+
+def test_replicated_output_of_sharded_compute_is_refused() -> None:
+    with pytest.raises(PlanError, match=r"the contract shards parameters on tp but its output leaves as R on tp"):
+        check("model.layers.*.self_attn", without(ATTN, "out_src"))
+
+
+def test_embedding_without_partial_output_is_refused() -> None:
+    body = {**EMBED, "out_src": {"output": {"tp": "S(-1)"}}}
+    with pytest.raises(PlanError, match=r"model.embed_tokens: a Embedding with its weight S\(0\) on tp produces P\(sum\) "
+                                        r"\(vocab rows\), but out_src\['output'\] says S\(-1\)"):
+        check("model.embed_tokens", body, "torch.nn.Embedding")
+
+
+def test_rowwise_leaf_without_partial_output_is_refused() -> None:
+    body = {"in_src": {"input": R}, "in_dst": {"input": {"tp": "S(-1)"}}, "out_src": {"output": {"tp": "S(-1)"}},
+            "params": {"weight": {"tp": "S(1)"}}}
+    with pytest.raises(PlanError, match=r"down_proj: a Linear with its weight S\(1\) on tp produces P\(sum\) \(rowwise\)"):
+        check("down_proj", body, "torch.nn.Linear")
+
+
+def test_partial_output_without_sharded_params_is_refused() -> None:
+    with pytest.raises(PlanError, match=r"model.embed_tokens: the output is declared P\(sum\) on tp, but the contract "
+                                        r"shards no parameter on tp"):
+        check("model.embed_tokens", without(EMBED, "params"), "torch.nn.Embedding")
+
+
+def test_a_bias_cut_without_its_weight_is_refused() -> None:
+    body = {**ATTN, "params": {k: v for k, v in ATTN["params"].items() if k != "q_proj.weight"}}
+    with pytest.raises(PlanError, match=r"q_proj.bias is S\(0\) on tp but its weight q_proj.weight is not planned"):
+        check("model.layers.*.self_attn", body)
+
+
+def test_optional_names_must_be_planned() -> None:
+    with pytest.raises(PlanError, match=r"optional_params names 'k_proj.bias', which is neither in params nor in "
+                                        r"deferred_bias_params"):
+        check("model.layers.*.self_attn", {**ATTN, "optional_params": ["k_proj.bias"]})
+
+
+def test_sequence_shards_outside_a_stack_are_refused() -> None:
+    body = {**ATTN, "out_dst": {"output": {"tp": "S(1)"}}}
+    with pytest.raises(PlanError, match=r"model.layers.\*.self_attn: out_dst\['output'\] is S\(1\) on tp, but no "
+                                        r"contract around it scatters and gathers that dim"):
+        check("model.layers.*.self_attn", body)
+    stack = {"in_src": {"input": R}, "in_dst": {"input": {"tp": "S(1)"}}, "out_src": {"output": {"tp": "S(1)"}},
+             "out_dst": {"output": R}, "grad_sum_params": ["*"]}
+    inside = {**body, "in_src": {"hidden_states": {"tp": "S(1)"}}}
+    check("model.layers.*.self_attn", inside, extra=(("model.layers", stack, "torch.nn.ModuleList"),))
+
+
+def test_a_vocab_sharded_head_may_leave_sharded() -> None:
+    head = {"in_src": {"input": R}, "in_dst": {"input": R}, "out_src": {"output": {"tp": "S(-1)"}},
+            "out_dst": {"output": {"tp": "S(-1)"}}, "params": {"weight": {"tp": "S(0)"}}}
+    check("lm_head", head, "torch.nn.Linear")
