@@ -98,3 +98,22 @@ def test_a_vocab_sharded_head_may_leave_sharded() -> None:
     head = {"in_src": {"input": R}, "in_dst": {"input": R}, "out_src": {"output": {"tp": "S(-1)"}},
             "out_dst": {"output": {"tp": "S(-1)"}}, "params": {"weight": {"tp": "S(0)"}}}
     check("lm_head", head, "torch.nn.Linear")
+
+
+@pytest.mark.parametrize("where", ["injections", "boundary"])
+def test_a_plan_never_names_code(where: str) -> None:
+    """Plans are data: a dotted path to a function (what ``injections[].local_compute_fn`` once
+    imported and called at bind time) is refused, and nothing is imported."""
+    import sys
+
+    from hp_lazy import Plan
+
+    target = "hp_lazy_never_imported_module.run"
+    data: dict[str, Any] = {"version": 1, "mesh": MESH, "modules": ["pkg.mod"], "boundaries": {"attn": dict(ATTN)}}
+    if where == "injections":
+        data["injections"] = [{"match": "attn", "local_compute_fn": target}]
+    else:
+        data["boundaries"]["attn"]["local_compute_fn"] = target
+    with pytest.raises(PlanError, match=r"injections|unknown key 'local_compute_fn'"):
+        Plan.from_dict(data)
+    assert "hp_lazy_never_imported_module" not in sys.modules
