@@ -29,6 +29,7 @@ from hp_lazy.hook.finder import (
     HpLazyFinder,
     NameMatcher,
     install_remote_code_view,
+    missing_modules,
     remove_remote_code_view,
 )
 from hp_lazy.hook.loader import BindFn, HookState, LowerFn
@@ -113,6 +114,7 @@ def install(
         runtime=runtime,
     )
     matcher = NameMatcher(plan.modules)
+    _check_modules_exist(plan)
     _check_already_imported(plan, matcher)
     finder = HpLazyFinder(state, matcher)
     with _LOCK:
@@ -204,6 +206,25 @@ def _read_json(path: Path) -> dict[str, Any]:
 def _short(plan: Any) -> str:
     text = repr(plan)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+# -- modules that do not exist ------------------------------------------------------------------
+class MissingModuleWarning(UserWarning):
+    """A module the plan names exactly is not installed: the plan would parallelize nothing there."""
+
+
+def _check_modules_exist(plan: Any) -> None:
+    missing = missing_modules(getattr(plan, "modules", ()))
+    if not missing:
+        return
+    message = (
+        f"hp_lazy: plan.modules names {missing}, which no installed package provides, so nothing there "
+        "would be lowered and the model would run unparallelized; fix the module name(s) (e.g. "
+        "'transformers.models.llama.modeling_llama')"
+    )
+    if os.environ.get("HP_LAZY_STRICT", "0").strip() not in ("", "0"):
+        raise PlanError(message)
+    warnings.warn(message, MissingModuleWarning, stacklevel=3)
 
 
 # -- already-imported targets ------------------------------------------------------------------

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import sys
 import threading
 import warnings
@@ -170,3 +171,52 @@ def remove_remote_code_view(finder: HpLazyFinder) -> None:
     view = getattr(dmu, "importlib", None) if dmu is not None else None
     if isinstance(view, ImportlibView) and view.finder is finder:
         dmu.importlib = importlib  # type: ignore[union-attr]
+
+
+DYNAMIC_ROOT = "transformers_modules"
+"""Where transformers puts trust_remote_code modules (they exist only once downloaded)."""
+
+
+def missing_modules(patterns: Iterable[str]) -> list[str]:
+    """The exact module names in ``patterns`` that no installed package provides (a typo there plans
+    nothing, silently). Looked up on the file system from the top-level package's locations, so
+    nothing is imported; globs and trust_remote_code modules (created at download) are not checked."""
+    return [name for name in patterns if not is_glob(name) and not name.startswith(DYNAMIC_ROOT) and not _exists(name)]
+
+
+
+def _exists(name: str) -> bool:
+    top, *rest = name.split(".")
+    if top in sys.modules:
+        return _exists_below(list(getattr(sys.modules[top], "__path__", []) or []), rest) if rest else True
+    try:
+        spec = importlib.util.find_spec(top)
+    except (ImportError, ValueError):
+        return False
+    if spec is None:
+        return False
+    return _exists_below(list(spec.submodule_search_locations or []), rest) if rest else True
+
+
+def _exists_below(locations: list[str], parts: list[str]) -> bool:
+    head, *rest = parts
+    for location in locations:
+        package = os.path.join(location, head)
+        if os.path.isdir(package):
+            if not rest:
+                return True
+            if _exists_below([package], rest):
+                return True
+        elif not rest and any(
+            entry.split(".")[0] == head and entry.endswith((".py", ".pyc", ".so", ".pyd"))
+            for entry in _listdir(location)
+        ):
+            return True
+    return False
+
+
+def _listdir(location: str) -> list[str]:
+    try:
+        return os.listdir(location)
+    except OSError:
+        return []
