@@ -95,12 +95,7 @@ def _runtime() -> ModuleType:
 
 
 def _set_runtime_options(**values: Any) -> None:
-    """Run-time options live with the runtime; it is imported only when they differ from its
-    defaults (importing torch at ``activate`` is avoided where possible)."""
-    import sys
-
-    if values == {"data_parallel": True, "bucket_cap_mb": 25.0} and "hp_lazy.runtime.options" not in sys.modules:
-        return
+    """Run-time options live with the runtime (``runtime/options`` imports nothing heavy)."""
     from hp_lazy.runtime import options
 
     options.set_current(options.RuntimeOptions(**values))
