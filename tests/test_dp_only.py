@@ -58,3 +58,22 @@ def test_parameter_sharded_on_two_axes_round_trips(pool4: DistPool, placements, 
         ep, tp = got["ranks"]
         assert torch.equal(got["local"], local(full, ep, tp)), (placements, got["ranks"])
         assert torch.equal(got["full"], full) and got["owns"]
+
+
+def _bind_inner_then_outer(rank: int, world: int, path: str) -> None:
+    import hp_lazy
+
+    model = parity._load(path)
+    hp_lazy.parallelize(model.model)  # the base model alone: it gets the gradient owner
+    ids = dpwork.global_batch(4)[:2]
+    model(input_ids=ids, labels=ids)  # the outer forward would bind (and own the gradients) again
+
+
+def test_binding_a_submodule_then_the_model_is_refused(pool4: DistPool, refs) -> None:
+    from dist import WorkerError
+
+    parity.activated(pool4, tp=1)
+    path, _ = refs("llama")
+    with pytest.raises(WorkerError, match=r"LlamaForCausalLM: its submodule 'model' was bound by an earlier "
+                                          r"hp_lazy.parallelize call"):
+        pool4.run(_bind_inner_then_outer, path)

@@ -53,6 +53,13 @@ def parallelize(model: nn.Module, *, data_parallel: bool | None = None) -> nn.Mo
     """
     if model.__dict__.get(BOUND):
         return model
+    bound_inside = [name for name, m in model.named_modules() if name and m.__dict__.get(BOUND)]
+    if bound_inside:
+        raise ShardingError(
+            f"{type(model).__qualname__}: its submodule {bound_inside[0]!r} was bound by an earlier "
+            "hp_lazy.parallelize call, so its parameters already have a gradient owner; call parallelize "
+            "once, on the top-level model (the one whose forward you call)"
+        )
     roots = list(_outermost_roots(model))
     if not roots:
         raise ShardingError(
