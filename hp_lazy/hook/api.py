@@ -10,7 +10,6 @@ and only restores how *later* imports behave.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
@@ -18,7 +17,6 @@ import threading
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from types import ModuleType, TracebackType
 from typing import Any, Union
 
@@ -34,6 +32,9 @@ from hp_lazy.hook.finder import (
 )
 from hp_lazy.hook.loader import BindFn, HookState, LowerFn
 from hp_lazy.plan import Plan
+from hp_lazy.plan.fqn import shown
+from hp_lazy.plan.parse import check_degree
+from hp_lazy.plan.plan import read_json
 
 logger = logging.getLogger("hp_lazy.hook")
 
@@ -144,7 +145,11 @@ def _detach(finder: HpLazyFinder) -> None:
 
 # -- plans ---------------------------------------------------------------------------------------
 def load_plan(plan: PlanSpec, *, tp: int | None = None, sequence_parallel: bool = False) -> Plan:
-    """A Plan from any accepted form (shared by ``activate`` and the CLI)."""
+    """A Plan from any accepted form (shared by ``activate`` and the CLI): a Plan, a dict, JSON text or
+    the path of a JSON file (:func:`hp_lazy.plan.plan.read_json`), or ``"auto"``. Bad input of any
+    kind is a ``PlanError``."""
+    if tp is not None:
+        check_degree(f"activate(tp={shown(tp)})", tp, "tp=2")
     if isinstance(plan, str) and plan == "auto":
         if tp is None:
             raise PlanError(
@@ -154,22 +159,27 @@ def load_plan(plan: PlanSpec, *, tp: int | None = None, sequence_parallel: bool 
         return Plan.auto(tp=tp, sequence_parallel=sequence_parallel)
     if sequence_parallel:
         raise PlanError(
-            f"activate({_short(plan)}): sequence_parallel=True applies to the 'auto' plan only; "
+            f"activate({shown(plan, limit=60)}): sequence_parallel=True applies to the 'auto' plan only; "
             "an explicit plan states its sequence-parallel placements itself; drop the argument"
         )
     if isinstance(plan, Plan):
         return plan if tp is None else _with_tp(plan, tp)
     if isinstance(plan, (str, os.PathLike)):
-        plan = _read_json(Path(plan))
+        plan = read_json(plan)
     if isinstance(plan, Mapping):
-        data = dict(plan)
-        if tp is not None:
-            data["mesh"] = {**dict(data.get("mesh") or {}), "tp": tp}
-        return Plan.from_dict(data)
+        return Plan.from_dict(plan if tp is None else _with_mesh_tp(plan, tp))
     raise PlanError(
-        f"activate({_short(plan)}): a plan of type {type(plan).__name__} is not accepted; "
-        "pass a Plan, a dict, a path to a .json plan, or 'auto'"
+        f"activate({shown(plan, limit=60)}): a plan of type {type(plan).__name__} is not accepted; "
+        "pass a Plan, a dict, JSON text, a path to a .json plan, or 'auto'"
     )
+
+
+def _with_mesh_tp(data: Mapping[str, Any], tp: int) -> dict[str, Any]:
+    """``data`` with ``mesh.tp`` set to ``tp``; a mesh that is not an object is left for validation to name."""
+    mesh = data.get("mesh")
+    if mesh is None or isinstance(mesh, Mapping):
+        return {**data, "mesh": {**(mesh or {}), "tp": tp}}
+    return dict(data)
 
 
 def _with_tp(plan: Plan, tp: int) -> Plan:
@@ -181,31 +191,6 @@ def _with_tp(plan: Plan, tp: int) -> Plan:
     if data.get("auto") is not None:
         data["auto"] = {**data["auto"], "tp": tp}
     return Plan.from_dict(data)
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise PlanError(
-            f"plan {str(path)!r}: cannot be read ({exc.strerror or exc}); pass an existing .json "
-            "plan file, a dict, a Plan, or 'auto'"
-        ) from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise PlanError(
-            f"plan {str(path)!r}: invalid JSON at line {exc.lineno} column {exc.colno} "
-            f"({exc.msg}); fix the file"
-        ) from None
-    if not isinstance(data, dict):
-        raise PlanError(f"plan {str(path)!r}: top level is a {type(data).__name__}; it must be an object")
-    return data
-
-
-def _short(plan: Any) -> str:
-    text = repr(plan)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 # -- modules that do not exist ------------------------------------------------------------------

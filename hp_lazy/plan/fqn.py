@@ -12,12 +12,15 @@ A pattern is matched segment by segment (segments are split on ``.``):
 So ``model.layers.*.self_attn`` matches ``model.layers.0.self_attn`` but not
 ``model.layers.0.inner.self_attn``, and ``transformers.models.*.modeling_*`` matches
 ``transformers.models.llama.modeling_llama``; write ``transformers.**`` to span packages.
+
+:func:`shown` is how every plan error message shows a user's value (it lives here, at the bottom of
+:mod:`hp_lazy.plan`, so that every layer's messages can use it).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from functools import lru_cache
 
 from hp_lazy.errors import PlanError
@@ -95,7 +98,7 @@ def _char_class(pattern: str, body: str) -> str:
             low, high = items[k], items[k + 2]
             if low > high:
                 raise PlanError(
-                    f"glob {pattern!r}: range {low}-{high} in [{body}] runs backwards; "
+                    f"glob {shown(pattern)}: range {low}-{high} in [{body}] runs backwards; "
                     f"write the lower character first, e.g. [{high}-{low}]"
                 )
             out.append(f"{re.escape(low)}-{re.escape(high)}")
@@ -104,3 +107,65 @@ def _char_class(pattern: str, body: str) -> str:
             out.append(re.escape(items[k]))
             k += 1
     return f"[^.{''.join(out)}]" if negate else f"(?!\\.)[{''.join(out)}]"
+
+
+# -- values in messages ----------------------------------------------------------------------------
+SHOWN_CHARS = 80
+"""The most characters of a value a message shows by default (plus a note of the value's full size)."""
+_SHOWN_DEPTH = 6
+_BIG_INT_BITS = 256
+
+
+def shown(value: object, limit: int = SHOWN_CHARS) -> str:
+    """``repr(value)`` cut to ``limit`` characters, e.g. ``'aaaa... (a str of 5239 characters)``;
+    safe for any value: deep or self-containing nesting, ints past Python's digit limit, a
+    ``__repr__`` that raises. Values that fit are shown exactly as ``repr`` shows them."""
+    text = ""
+    for fragment in _fragments(value, 0, limit):
+        text += fragment
+        if len(text) > limit:
+            return f"{text[: limit - 3]}...{_size_note(value)}"
+    return text
+
+
+def _fragments(value: object, depth: int, limit: int) -> Iterator[str]:
+    """The pieces of ``repr(value)``, lazily (a long container stops being read once cut)."""
+    if isinstance(value, str):
+        yield repr(value[: limit + 1])
+    elif isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > _BIG_INT_BITS:
+        yield f"<an int of {_digits(value)} digits>"
+    elif isinstance(value, (dict, list, tuple)):
+        yield from _container(value, depth, limit)
+    else:
+        try:
+            yield repr(value)[: limit + 1]
+        except Exception:  # a user object's own __repr__ failed (or recursed): show its type instead
+            yield f"<{type(value).__name__} object>"
+
+
+def _container(value: dict | list | tuple, depth: int, limit: int) -> Iterator[str]:
+    opening, closing = "{}" if isinstance(value, dict) else "[]" if isinstance(value, list) else "()"
+    if depth >= _SHOWN_DEPTH:
+        yield f"{opening}...{closing}"
+        return
+    yield opening
+    pairs = value.items() if isinstance(value, dict) else ((None, item) for item in value)
+    for i, (key, item) in enumerate(pairs):
+        yield ", " if i else ""
+        if isinstance(value, dict):
+            yield from _fragments(key, depth + 1, limit)
+            yield ": "
+        yield from _fragments(item, depth + 1, limit)
+    yield ",)" if isinstance(value, tuple) and len(value) == 1 else closing
+
+
+def _digits(value: int) -> int:
+    return int(abs(value).bit_length() * 0.30103) + 1  # log10(2): exact or one too many
+
+
+def _size_note(value: object) -> str:
+    if isinstance(value, str):
+        return f" (a str of {len(value)} characters)"
+    if isinstance(value, (dict, list, tuple)):
+        return f" (a {type(value).__name__} of {len(value)} item{'' if len(value) == 1 else 's'})"
+    return ""

@@ -25,6 +25,7 @@ from types import MappingProxyType
 from typing import Any, Literal
 
 from hp_lazy.errors import PlanError
+from hp_lazy.plan.fqn import shown
 from hp_lazy.plan.placement import REPLICATE, Placement
 
 AxisPlacements = Mapping[str, Placement]
@@ -55,7 +56,7 @@ def sha256_json(data: object) -> str:
 def one_of(where: str, what: str, value: object, allowed: Mapping[str, str] | tuple[str, ...]) -> str:
     """``value`` if it is one of ``allowed``; else a :class:`PlanError` listing them."""
     if not isinstance(value, str) or value not in allowed:
-        raise PlanError(f"{where}: {what} {value!r} is not one of {sorted(allowed)}; use one of those")
+        raise PlanError(f"{where}: {what} {shown(value)} is not one of {sorted(allowed)}; use one of those")
     return value
 
 

@@ -2,21 +2,27 @@
 
 The JSON format is DESIGN.md section 2. Every error is a :class:`PlanError` whose text starts with
 where the value sits (``plan.boundaries['model.layers.*.self_attn'].in_src['x']``), then the value,
-the rule it breaks and the fix. :func:`plan_fields` returns the fields ``Plan`` is built from, so
-this module needs nothing above :mod:`hp_lazy.plan.model`.
+the rule it breaks and the fix; a value is shown through :func:`~hp_lazy.plan.fqn.shown` (cut to 80
+characters). Bad input of any kind (any type, any nesting, any key) is a ``PlanError``, never another
+exception. :func:`plan_fields` returns the fields ``Plan`` is built from, so this module needs nothing
+above :mod:`hp_lazy.plan.model`.
+
+``plan.modules`` never reaches hp_lazy's own machinery (:func:`check_module`): an entry starts with a
+literal package name that is not in :data:`OWN_DEPENDENCIES`, and a ``transformers`` entry continues
+with ``models.<...>``. Lowering torch, the standard library or transformers' utilities would rewrite
+the code that runs the lowering.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import re
+import sys
 from collections.abc import Mapping
 from typing import Any, TypedDict, cast
 
 from hp_lazy.errors import PlanError
 from hp_lazy.names import RESERVED_PREFIXES
-from hp_lazy.plan.fqn import check_glob, is_glob
+from hp_lazy.plan.fqn import check_glob, is_glob, shown
 from hp_lazy.plan.model import (
     INNER_CALLS,
     INNER_KINDS,
@@ -44,7 +50,23 @@ INNER_KEYS = ("call", "kind")
 REGION_KEYS = ("kind",)
 AUTO_KEYS = ("tp", "sequence_parallel", "loss_parallel", "vocab_parallel_embedding")
 AUTO_MODULES = ("transformers.models.*.modeling_*",)
-_PATTERN_SEGMENT = re.compile(r"^[\w*?\[\]!-]+$")
+MAX_NAME_CHARS = 256
+"""The longest name (pattern, param, input, module, class) a plan may hold."""
+MAX_DEGREE = 1 << 20
+"""The largest mesh degree (ranks on one axis) a plan may ask for."""
+OWN_DEPENDENCIES: frozenset[str] = frozenset(sys.stdlib_module_names) | {
+    "__main__", "__mp_main__", "_distutils_hack", "accelerate", "anyio", "certifi", "charset_normalizer",
+    "filelock", "fsspec", "functorch", "h11", "hf_xet", "hp_lazy", "httpcore", "httpx", "huggingface_hub", "idna",
+    "jinja2", "markupsafe", "mpmath", "networkx", "numpy", "packaging", "pkg_resources", "psutil", "regex",
+    "requests", "safetensors", "setuptools", "sympy", "tokenizers", "torch", "torchgen", "tqdm", "triton",
+    "typing_extensions", "urllib3", "yaml",
+}
+"""Top-level packages no ``plan.modules`` entry may name or match: the standard library, hp_lazy and
+what it, torch and transformers import to run (``transformers`` itself is allowed only under
+``transformers.models``)."""
+MAX_PLACEMENT_CHARS = 32
+"""The longest placement text read (``'SS(-1, 2)'`` is 9); it keeps ``'S(<5000 digits>)'`` from ``int``."""
+_PATTERN_SEGMENT = re.compile(r"[\w*?\[\]!-]+")
 
 
 class PlanFields(TypedDict):
@@ -60,49 +82,68 @@ class PlanFields(TypedDict):
 
 def _check_keys(where: str, data: object, allowed: tuple[str, ...]) -> Mapping[str, Any]:
     if not isinstance(data, Mapping):
-        raise PlanError(f"{where}: {data!r} is not an object; write a JSON object with keys from {list(allowed)}")
+        raise PlanError(f"{where}: {shown(data)} is not an object; write a JSON object with keys from {list(allowed)}")
     for key in data:
         if key not in allowed:
-            raise PlanError(f"{where}: unknown key {key!r}; allowed keys are {list(allowed)}; remove or rename it")
+            raise PlanError(f"{where}: unknown key {shown(key)}; allowed keys are {list(allowed)}; remove or rename it")
     return data
 
 
 def check_name(where: str, name: object, what: str = "name") -> str:
-    """A dotted name (pattern, param, input) must be a non-empty string with no reserved segment."""
+    """A dotted name (pattern, param, input) must be a non-empty string of at most
+    :data:`MAX_NAME_CHARS` characters with no reserved segment."""
     if not isinstance(name, str) or not name:
-        raise PlanError(f"{where}: {what} {name!r} is not a non-empty string; fix the plan")
+        raise PlanError(f"{where}: {what} {shown(name)} is not a non-empty string; fix the plan")
+    if len(name) > MAX_NAME_CHARS:
+        raise PlanError(f"{where}: {what} {shown(name)} is longer than {MAX_NAME_CHARS} characters; shorten it")
     for segment in name.split("."):
         if segment.startswith(RESERVED_PREFIXES):
             raise PlanError(
-                f"{where}: {what} {name!r} uses the reserved prefix '_hp_'/'__hp_' "
+                f"{where}: {what} {shown(name)} uses the reserved prefix '_hp_'/'__hp_' "
                 "(hp_lazy generates such names); rename it"
             )
-        if not _PATTERN_SEGMENT.match(segment):
-            raise PlanError(f"{where}: {what} {name!r} has an empty or invalid segment {segment!r}; fix the plan")
+        if not _PATTERN_SEGMENT.fullmatch(segment):
+            raise PlanError(
+                f"{where}: {what} {shown(name)} has an empty or invalid segment {shown(segment)}; fix the plan"
+            )
     return check_glob(where, name) if is_glob(name) else name
+
+
+def check_degree(where: str, degree: object, example: str) -> int:
+    """A mesh degree: an int (not a bool) from 1 to :data:`MAX_DEGREE`."""
+    if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1:
+        raise PlanError(f"{where}: degree {shown(degree)} is not a positive integer; use e.g. {example}")
+    if degree > MAX_DEGREE:
+        raise PlanError(f"{where}: degree {shown(degree)} is above {MAX_DEGREE}; use the number of ranks on the axis")
+    return degree
 
 
 def _parse_mesh(data: object) -> dict[str, int]:
     if not isinstance(data, Mapping) or not data:
-        raise PlanError(f"plan.mesh: {data!r} is not a non-empty object; write e.g. {{\"tp\": 2}}")
+        raise PlanError(f"plan.mesh: {shown(data)} is not a non-empty object; write e.g. {{\"tp\": 2}}")
     mesh: dict[str, int] = {}
     for axis, degree in data.items():
         if axis not in AXES:
-            raise PlanError(f"plan.mesh: axis {axis!r} is not one of {list(AXES)}; rename it")
-        if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1:
-            raise PlanError(f"plan.mesh[{axis!r}]: degree {degree!r} is not a positive integer; use e.g. 2")
-        mesh[axis] = degree
+            raise PlanError(f"plan.mesh: axis {shown(axis)} is not one of {list(AXES)}; rename it")
+        mesh[axis] = check_degree(f"plan.mesh[{axis!r}]", degree, "2")
     return {axis: mesh[axis] for axis in AXES if axis in mesh}
 
 
 def _parse_axes(where: str, data: object, mesh: Mapping[str, int]) -> dict[str, Placement]:
     if not isinstance(data, Mapping):
-        raise PlanError(f"{where}: {data!r} is not an object of axis -> placement; write e.g. {{\"tp\": \"S(0)\"}}")
+        raise PlanError(
+            f"{where}: {shown(data)} is not an object of axis -> placement; write e.g. {{\"tp\": \"S(0)\"}}"
+        )
     axes: dict[str, Placement] = {}
     for axis, text in data.items():
         if axis not in mesh:
             raise PlanError(
-                f"{where}: axis {axis!r} is not in the mesh {sorted(mesh)}; add it to plan.mesh or remove it"
+                f"{where}: axis {shown(axis)} is not in the mesh {sorted(mesh)}; add it to plan.mesh or remove it"
+            )
+        if isinstance(text, str) and len(text) > MAX_PLACEMENT_CHARS:  # no placement is spelt longer
+            raise PlanError(
+                f"{where}[{axis!r}]: placement {shown(text)} is not one of 'R', 'S(d)', 'SS(d,k)', 'P(sum)'; "
+                "fix the plan"
             )
         axes[axis] = Placement.parse(text, where=f"{where}[{axis!r}]")
     return axes
@@ -110,21 +151,21 @@ def _parse_axes(where: str, data: object, mesh: Mapping[str, int]) -> dict[str, 
 
 def _parse_side(where: str, side: str, data: object, mesh: Mapping[str, int]) -> dict[str, dict[str, Placement]]:
     if not isinstance(data, Mapping):
-        raise PlanError(f"{where}.{side}: {data!r} is not an object of name -> {{axis: placement}}; fix the plan")
+        raise PlanError(f"{where}.{side}: {shown(data)} is not an object of name -> {{axis: placement}}; fix the plan")
     out: dict[str, dict[str, Placement]] = {}
     for name, axes in data.items():
         check_name(f"{where}.{side}", name, "param" if side == "params" else "name")
         if side.startswith("out"):
             output_index(name, where=f"{where}.{side}")
         if side.startswith("in") and not name.isidentifier():
-            raise PlanError(f"{where}.{side}: input key {name!r} is not a forward parameter name; fix the plan")
-        out[name] = _parse_axes(f"{where}.{side}[{name!r}]", axes, mesh)
+            raise PlanError(f"{where}.{side}: input key {shown(name)} is not a forward parameter name; fix the plan")
+        out[name] = _parse_axes(f"{where}.{side}[{shown(name)}]", axes, mesh)
     return out
 
 
 def _parse_names(where: str, data: object) -> tuple[str, ...]:
     if not isinstance(data, (list, tuple)):
-        raise PlanError(f"{where}: {data!r} is not a list of parameter names; write e.g. [\"o_proj.bias\"]")
+        raise PlanError(f"{where}: {shown(data)} is not a list of parameter names; write e.g. [\"o_proj.bias\"]")
     return tuple(check_name(where, name, "param") for name in data)
 
 
@@ -132,14 +173,14 @@ def _check_deferred_biases(where: str, contract: Contract) -> None:
     for bias in contract.deferred_bias_params:
         if bias != "bias" and not bias.endswith(".bias"):
             raise PlanError(
-                f"{where}.deferred_bias_params: {bias!r} does not end in '.bias'; "
+                f"{where}.deferred_bias_params: {shown(bias)} does not end in '.bias'; "
                 "list only the biases of rowwise Linears, e.g. 'o_proj.bias'"
             )
         weight = bias[: -len("bias")] + "weight"
         dims = {p.dim for p in contract.params.get(weight, {}).values() if type(p) is Shard}
         if not dims & {1, -1}:
             raise PlanError(
-                f"{where}.deferred_bias_params: {bias!r} needs its sibling {weight!r} sharded rowwise "
+                f"{where}.deferred_bias_params: {shown(bias)} needs its sibling {shown(weight)} sharded rowwise "
                 f"(S(1) or S(-1)) in params, found {_axes_text(contract.params.get(weight))}; "
                 f"add \"{weight}\": {{\"tp\": \"S(1)\"}} or drop the bias from deferred_bias_params"
             )
@@ -166,18 +207,18 @@ def _parse_region(where: str, data: object) -> Region:
 def _require(where: str, body: Mapping[str, Any], keys: tuple[str, ...], example: str) -> None:
     missing = [key for key in keys if key not in body]
     if missing:
-        raise PlanError(f"{where}: {dict(body)!r} has no {missing}; write e.g. {example}")
+        raise PlanError(f"{where}: {shown(dict(body))} has no {missing}; write e.g. {example}")
 
 
 def contract_from_dict(pattern: str, data: object, mesh: Mapping[str, int]) -> Contract:
     """Validate one ``boundaries[pattern]`` entry against the mesh."""
-    where = f"plan.boundaries[{pattern!r}]"
     check_name("plan.boundaries", pattern, "pattern")
+    where = f"plan.boundaries[{shown(pattern)}]"
     body = _check_keys(where, data, CONTRACT_KEYS)
     sides = {side: _parse_side(where, side, body.get(side, {}), mesh) for side in PLACEMENT_SIDES}
     skip = body.get("skip_source_lowering", False)
     if not isinstance(skip, bool):
-        raise PlanError(f"{where}.skip_source_lowering: {skip!r} is not true/false; fix the plan")
+        raise PlanError(f"{where}.skip_source_lowering: {shown(skip)} is not true/false; fix the plan")
     contract = Contract(
         pattern=pattern,
         **sides,
@@ -196,51 +237,81 @@ def contract_from_dict(pattern: str, data: object, mesh: Mapping[str, int]) -> C
 def _parse_modules(data: object) -> tuple[str, ...]:
     if not isinstance(data, (list, tuple)) or not data:
         raise PlanError(
-            f"plan.modules: {data!r} is not a non-empty list of module names; "
+            f"plan.modules: {shown(data)} is not a non-empty list of module names; "
             "write e.g. [\"transformers.models.llama.modeling_llama\"]"
         )
     for name in data:
-        if not isinstance(name, str) or not name or any(not part for part in name.split(".")):
-            raise PlanError(f"plan.modules: {name!r} is not a dotted module name (globs allowed); fix the plan")
-        check_glob("plan.modules", name)
+        check_module(name)
     return tuple(data)
+
+
+def check_module(name: object) -> str:
+    """One ``plan.modules`` entry: a dotted module name or glob that cannot reach hp_lazy's own machinery.
+
+    The rule: the first segment is literal (no ``*``, ``?``, ``[``) and not in :data:`OWN_DEPENDENCIES`;
+    an entry under ``transformers`` continues with the literal segment ``models`` and at least one more
+    (``transformers.models.*.modeling_*``, ``transformers.models.llama.modeling_llama``).
+    """
+    if not isinstance(name, str) or not name or not all(_PATTERN_SEGMENT.fullmatch(p) for p in name.split(".")):
+        raise PlanError(f"plan.modules: {shown(name)} is not a dotted module name (globs allowed); fix the plan")
+    if len(name) > MAX_NAME_CHARS:
+        raise PlanError(f"plan.modules: {shown(name)} is longer than {MAX_NAME_CHARS} characters; shorten it")
+    check_glob("plan.modules", name)
+    parts = name.split(".")
+    if is_glob(parts[0]):
+        raise PlanError(
+            f"plan.modules: {shown(name)} starts with the glob {shown(parts[0])}, which could match hp_lazy's own "
+            f"dependencies (torch, the standard library); start with the package's literal name, {_MODULES_FIX}"
+        )
+    if parts[0] in OWN_DEPENDENCIES:
+        raise PlanError(
+            f"plan.modules: {shown(name)} is in {parts[0]!r}, a package hp_lazy itself runs on (lowering it "
+            f"would rewrite the code that does the lowering); name the modeling modules, {_MODULES_FIX}"
+        )
+    if parts[0] == "transformers" and (len(parts) < 3 or parts[1] != "models"):
+        raise PlanError(
+            f"plan.modules: {shown(name)} can match transformers' own machinery, which hp_lazy runs on, not only "
+            f"its modeling modules; name them under transformers.models, {_MODULES_FIX}"
+        )
+    return name
+
+
+_MODULES_FIX = "e.g. 'transformers.models.llama.modeling_llama' or 'transformers.models.*.modeling_*'"
 
 
 def _parse_classes(data: object, patterns: set[str]) -> dict[str, str]:
     if not isinstance(data, Mapping):
-        raise PlanError(f"plan.boundary_classes: {data!r} is not an object of pattern -> class name; fix the plan")
+        raise PlanError(f"plan.boundary_classes: {shown(data)} is not an object of pattern -> class name; fix the plan")
     for pattern, name in data.items():
+        where = f"plan.boundary_classes[{shown(pattern)}]"
         if pattern not in patterns:
             raise PlanError(
-                f"plan.boundary_classes[{pattern!r}]: the pattern has no entry in plan.boundaries; "
-                "add a boundary for it or remove the class"
+                f"{where}: the pattern has no entry in plan.boundaries; add a boundary for it or remove the class"
             )
         if not isinstance(name, str) or not all(part.isidentifier() for part in name.split(".")):
             raise PlanError(
-                f"plan.boundary_classes[{pattern!r}]: {name!r} is not a class name; "
+                f"{where}: {shown(name)} is not a class name; "
                 "write a bare name ('LlamaAttention') or a dotted one ('torch.nn.Linear')"
             )
-        check_name(f"plan.boundary_classes[{pattern!r}]", name, "class")
+        check_name(where, name, "class")
     return dict(data)
 
 
 def parse_auto(data: object) -> AutoFlags:
     body = _check_keys("plan.auto", data, AUTO_KEYS)
-    tp = body.get("tp", 2)
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-        raise PlanError(f"plan.auto.tp: degree {tp!r} is not a positive integer; use e.g. tp=2")
+    tp = check_degree("plan.auto.tp", body.get("tp", 2), "tp=2")
     flags = {}
     for name, default in (("sequence_parallel", False), ("loss_parallel", False), ("vocab_parallel_embedding", True)):
         flags[name] = body.get(name, default)
         if not isinstance(flags[name], bool):
-            raise PlanError(f"plan.auto.{name}: {flags[name]!r} is not true/false; fix the plan")
+            raise PlanError(f"plan.auto.{name}: {shown(flags[name])} is not true/false; fix the plan")
     return AutoFlags(tp=tp, **flags)
 
 
 def _refuse_injections(body: Mapping[str, Any]) -> None:
     if "injections" in body:
         raise PlanError(
-            f"plan.injections: {body['injections']!r} is no longer read; the untyped injections list was "
+            f"plan.injections: {shown(body['injections'])} is no longer read; the untyped injections list was "
             "replaced by typed fields of a boundary's body: \"inner\": {\"call\": \"attention\", \"kind\": "
             "\"cp_allgather_kv\"} (context parallel) or \"region\": {\"kind\": \"ep_dispatch\"} (expert "
             "parallel); remove the key and write the field under plan.boundaries[pattern]"
@@ -253,8 +324,8 @@ def plan_fields(data: object) -> PlanFields:
         _refuse_injections(data)
     body = _check_keys("plan", data, TOP_KEYS)
     version = body.get("version", 1)
-    if version != 1 or isinstance(version, bool):
-        raise PlanError(f"plan.version: {version!r} is not a supported version; use 1")
+    if isinstance(version, bool) or not isinstance(version, int) or version != 1:
+        raise PlanError(f"plan.version: {shown(version)} is not a supported version; use 1")
     auto = parse_auto(body["auto"]) if "auto" in body else None
     mesh = _parse_mesh(body.get("mesh", {"tp": auto.tp} if auto else None))
     if auto is not None and mesh.get("tp") != auto.tp:
@@ -262,28 +333,12 @@ def plan_fields(data: object) -> PlanFields:
     modules = _parse_modules(body.get("modules", list(AUTO_MODULES) if auto else None))
     raw = body.get("boundaries", {})
     if not isinstance(raw, Mapping):
-        raise PlanError(f"plan.boundaries: {raw!r} is not an object of pattern -> contract; fix the plan")
-    boundaries = tuple(contract_from_dict(p, c, mesh) for p, c in sorted(raw.items()))
+        raise PlanError(f"plan.boundaries: {shown(raw)} is not an object of pattern -> contract; fix the plan")
+    patterns = [check_name("plan.boundaries", pattern, "pattern") for pattern in raw]  # all str before sorting
+    boundaries = tuple(contract_from_dict(p, raw[p], mesh) for p in sorted(patterns))
     if not boundaries and auto is None:
         raise PlanError("plan.boundaries: the plan has no boundary; add at least one, or use Plan.auto()")
-    classes = _parse_classes(body.get("boundary_classes", {}), set(raw))
+    classes = _parse_classes(body.get("boundary_classes", {}), set(patterns))
     return PlanFields(
         version=1, mesh=mesh, modules=modules, boundaries=boundaries, boundary_classes=classes, auto_flags=auto
     )
-
-
-def read_json(path_or_text: str | os.PathLike[str]) -> object:
-    """``path_or_text`` is JSON text (starts with ``{``) or a path to a JSON file: its data."""
-    text = str(path_or_text) if isinstance(path_or_text, (str, os.PathLike)) else None
-    if text is None:
-        raise PlanError(f"plan: {path_or_text!r} is neither JSON text nor a path; pass a str or a Path")
-    if not text.lstrip().startswith("{"):
-        try:
-            with open(text, encoding="utf-8") as handle:
-                text = handle.read()
-        except OSError as exc:
-            raise PlanError(f"plan: cannot read plan file {str(path_or_text)!r} ({exc}); check the path") from exc
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise PlanError(f"plan: invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}; fix the file") from exc

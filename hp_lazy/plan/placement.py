@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 from typing import ClassVar, Literal
 
 from hp_lazy.errors import PlanError
+from hp_lazy.plan.fqn import shown
 
 Kind = Literal["R", "S", "SS", "P"]
 AXES: tuple[str, ...] = ("dp", "cp", "ep", "tp")
@@ -45,7 +46,7 @@ class Placement(ABC):
         if isinstance(text, Placement):
             return text
         if not isinstance(text, str):
-            raise PlanError(f"{where}: placement {text!r} is not a string; use 'R', 'S(d)' or 'P(sum)'")
+            raise PlanError(f"{where}: placement {shown(text)} is not a string; use 'R', 'S(d)' or 'P(sum)'")
         text = text.strip()
         if text == "R":
             return REPLICATE
@@ -53,15 +54,17 @@ class Placement(ABC):
             return Shard(int(m.group(1)))
         if m := _PACKED.match(text):
             if int(m.group(2)) < 1:
-                raise PlanError(f"{where}: packed shard {text!r} needs k >= 1 blocks; e.g. 'SS(0,2)'")
+                raise PlanError(f"{where}: packed shard {shown(text)} needs k >= 1 blocks; e.g. 'SS(0,2)'")
             return PackedShard(int(m.group(1)), int(m.group(2)))
         if m := _PARTIAL.match(text):
             if m.group(1) not in REDUCE_OPS:
                 raise PlanError(
-                    f"{where}: partial reduction {m.group(1)!r} in {text!r} is not supported; use 'P(sum)'"
+                    f"{where}: partial reduction {shown(m.group(1))} in {shown(text)} is not supported; use 'P(sum)'"
                 )
             return Partial(m.group(1))
-        raise PlanError(f"{where}: placement {text!r} is not one of 'R', 'S(d)', 'SS(d,k)', 'P(sum)'; fix the plan")
+        raise PlanError(
+            f"{where}: placement {shown(text)} is not one of 'R', 'S(d)', 'SS(d,k)', 'P(sum)'; fix the plan"
+        )
 
     def normalized(self, ndim: int) -> Placement:
         """``S(-1)`` on a rank-3 tensor becomes ``S(2)``; other placements are returned as is."""

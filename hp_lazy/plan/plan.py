@@ -1,5 +1,5 @@
-"""``Plan``: a whole plan, its constructors (JSON data, a JSON file, ``Plan.auto``), its canonical
-JSON and hash, and its per-module slice.
+"""``Plan``: a whole plan, its constructors (JSON data, JSON text or a file, ``Plan.auto``), its
+canonical JSON and hash, and its per-module slice.
 
 This is the top of :mod:`hp_lazy.plan`: it imports the modules below it (``parse`` for
 validation, ``slice`` for the per-module part) and none of them imports it.
@@ -10,12 +10,15 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
-from hp_lazy.plan.fqn import compile_globs, is_glob
+from hp_lazy.errors import PlanError
+from hp_lazy.plan.fqn import compile_globs, is_glob, shown
 from hp_lazy.plan.model import (
     AutoFlags,
     Contract,
@@ -23,7 +26,7 @@ from hp_lazy.plan.model import (
     canonical_json,
     sha256_json,
 )
-from hp_lazy.plan.parse import plan_fields, read_json
+from hp_lazy.plan.parse import plan_fields
 from hp_lazy.plan.slice import slice_plan
 
 
@@ -48,7 +51,7 @@ class Plan:
 
     @classmethod
     def from_json(cls, path_or_text: str | os.PathLike[str]) -> Plan:
-        """JSON text (starting with ``{``) or the path of a JSON file."""
+        """JSON text (starting with ``{``, a BOM allowed) or the path of a UTF-8 JSON file (:func:`read_json`)."""
         return cls(**plan_fields(read_json(path_or_text)))
 
     @classmethod
@@ -104,3 +107,146 @@ class Plan:
     def slice(self, module_name: str, source: str) -> ModulePlan | None:
         """The part of the plan that applies to one module's source; None if it targets nothing there."""
         return slice_plan(self, module_name, source)
+
+
+# -- JSON text and files -------------------------------------------------------------------------
+MAX_JSON_DEPTH = 16
+"""The deepest nesting of JSON text read as a plan; a valid plan is 5 objects deep."""
+MAX_PATH_SHOWN = 240
+_BOM = "\ufeff"
+
+
+def read_json(path_or_text: str | os.PathLike[str]) -> dict[str, Any]:
+    """The JSON object in ``path_or_text``: JSON text (its first character after an optional BOM and
+    whitespace is ``{`` or ``[``) or the path of a UTF-8 JSON file (a BOM allowed).
+
+    Stricter than :mod:`json`: a key twice in one object, nesting deeper than :data:`MAX_JSON_DEPTH`,
+    an integer past Python's digit limit and a top level that is not an object are each a ``PlanError``.
+    """
+    source = path_or_text.__fspath__() if isinstance(path_or_text, os.PathLike) else path_or_text
+    if not isinstance(source, str):
+        raise PlanError(
+            f"plan: {shown(path_or_text)} (a {type(path_or_text).__name__}) is neither JSON text nor a path; "
+            "pass a str or a Path"
+        )
+    text = source.removeprefix(_BOM)
+    if text.lstrip()[:1] in ("{", "["):
+        label = "plan text"
+    else:
+        label = f"plan file {shown(source, limit=MAX_PATH_SHOWN)}"
+        text = _read_file(label, source)
+    _check_depth(label, text)
+    data = _loads(label, text)
+    if not isinstance(data, dict):
+        raise PlanError(
+            f"{label}: the top level is a {type(data).__name__}; write a JSON object {{\"version\": 1, ...}}"
+        )
+    return data
+
+
+def _read_file(label: str, path: str) -> str:
+    """The text of the file at ``path`` (UTF-8; a leading BOM dropped)."""
+    if "\0" in path:
+        raise PlanError(f"{label}: cannot be read (a path holds no NUL character); pass JSON text or a file's path")
+    try:
+        with open(path, "rb") as handle:
+            if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
+                raise PlanError(f"{label}: cannot be read (not a regular file); pass the path of a .json plan file")
+            data = handle.read()
+    except OSError as exc:  # missing, a directory, no permission: only trying tells
+        raise PlanError(
+            f"{label}: cannot be read ({exc.strerror or exc}); pass JSON text, the path of an existing .json "
+            "plan file, a dict, a Plan, or 'auto'"
+        ) from None
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise PlanError(
+            f"{label}: byte {data[exc.start]:#04x} at line {line} (offset {exc.start}) is not UTF-8 "
+            f"({exc.reason}); save the file as UTF-8"
+        ) from None
+
+
+_JSON_SPECIAL = re.compile(r'[\[\]{}"\\]')
+
+
+def _check_depth(label: str, text: str) -> None:
+    """Refuse nesting deeper than :data:`MAX_JSON_DEPTH` before :mod:`json` recurses into it."""
+    depth, in_string, escaped = 0, False, -1
+    for match in _JSON_SPECIAL.finditer(text):
+        at, char = match.start(), match.group()
+        if at == escaped:
+            continue
+        if in_string:
+            escaped = at + 1 if char == "\\" else escaped
+            in_string = char != '"'
+        elif char == '"':
+            in_string = True
+        elif char in "[{":
+            depth += 1
+            if depth > MAX_JSON_DEPTH:
+                raise PlanError(
+                    f"{label}: nesting deeper than {MAX_JSON_DEPTH} levels at {_line_col(text, at)}; a plan is 5 "
+                    "objects deep (plan.boundaries[pattern].params[name][axis]); fix the file"
+                )
+        elif char in "]}":
+            depth -= 1
+
+
+def _line_col(text: str, at: int) -> str:
+    return f"line {text.count(chr(10), 0, at) + 1} column {at - text.rfind(chr(10), 0, at)}"
+
+
+def _loads(label: str, text: str) -> object:
+    repeated: list[tuple[dict[str, Any], str]] = []  # (object, key); holds each object so its id stays its own
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        obj: dict[str, Any] = {}
+        for key, value in items:
+            if key in obj:
+                repeated.append((obj, key))
+            obj[key] = value
+        return obj
+
+    def integer(digits: str) -> int:
+        limit = sys.get_int_max_str_digits()
+        if limit and len(digits.lstrip("-")) > limit:
+            raise PlanError(
+                f"{label}: the integer at {_line_col(text, text.find(digits))} has {len(digits.lstrip('-'))} "
+                f"digits, more than Python reads ({limit}); fix the file"
+            )
+        return int(digits)
+
+    try:
+        data = json.loads(text, object_pairs_hook=pairs, parse_int=integer)
+    except json.JSONDecodeError as exc:
+        raise PlanError(
+            f"{label}: invalid JSON at line {exc.lineno} column {exc.colno} ({exc.msg}); fix the file"
+        ) from None
+    if repeated:
+        where, key = _first_repeated(data, repeated)
+        raise PlanError(f"{where}: key {shown(key)} appears twice in one object (JSON would keep the last); keep one")
+    return data
+
+
+def _first_repeated(data: object, repeated: list[tuple[dict[str, Any], str]]) -> tuple[str, str]:
+    """Where (``plan.boundaries['x'].params``) the first object with a repeated key sits, and the key."""
+    keys = {id(obj): key for obj, key in reversed(repeated)}
+    stack: list[tuple[str, object, str]] = [("plan", data, "fields")]
+    while stack:
+        where, value, kind = stack.pop()
+        if isinstance(value, dict):
+            if id(value) in keys:
+                return where, keys[id(value)]
+            for key, item in reversed(value.items()):
+                step = f"{where}.{key}" if kind == "fields" else f"{where}[{shown(key)}]"
+                stack.append((step, item, "fields" if kind == "contracts" else _CHILD_KIND.get((kind, key), "map")))
+        elif isinstance(value, list):
+            stack.extend((f"{where}[{i}]", item, "map") for i, item in reversed(list(enumerate(value))))
+    return "plan", repeated[0][1]  # not reached: the outermost object holding a repeated key is in the data
+
+
+_CHILD_KIND = {("fields", "boundaries"): "contracts", ("fields", "auto"): "fields", ("fields", "inner"): "fields",
+               ("fields", "region"): "fields"}
+"""What the keys of a child object are: fixed ``fields`` (shown ``.key``) or names (shown ``['key']``)."""
