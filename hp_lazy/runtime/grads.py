@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from hp_lazy.errors import ShardingError
 from hp_lazy.names import GRADS_ATTR
@@ -232,6 +233,7 @@ class BucketReducer:
         return len(self.buckets)
 
     def check_params(self, root: nn.Module) -> None:
+        """One parameter per bucket (FSDP2 may wrap only some layers): a few lookups per forward."""
         for bucket in self.buckets:
             entry = bucket.entries[0]
             if root.get_parameter(entry.fqn) is not entry.param:
@@ -244,13 +246,17 @@ class BucketReducer:
 
 def _bucketize(entries: list[_Entry], groups: Callable[[tuple[str, ...]], Group], cap_bytes: int) -> list[_Bucket]:
     by_key: dict[tuple[Any, ...], list[list[_Entry]]] = {}
+    sizes: dict[tuple[Any, ...], int] = {}  # bytes in the last run of each key
     for entry in reversed(entries):  # about the order backward produces gradients
         p = entry.param
-        runs = by_key.setdefault((entry.rule.axes, p.dtype, p.device), [[]])
-        size = sum(e.numel * e.rule.slots * p.element_size() for e in runs[-1])
-        if runs[-1] and size + entry.numel * entry.rule.slots * p.element_size() > cap_bytes:
+        key = (entry.rule.axes, p.dtype, p.device)
+        runs = by_key.setdefault(key, [[]])
+        nbytes = entry.numel * entry.rule.slots * p.element_size()
+        if runs[-1] and sizes[key] + nbytes > cap_bytes:
             runs.append([])
+            sizes[key] = 0
         runs[-1].append(entry)
+        sizes[key] = sizes.get(key, 0) + nbytes
     return [_Bucket(run, groups(key[0])) for key, runs in by_key.items() for run in runs]
 
 
@@ -339,8 +345,6 @@ class GradOwner:
         replaces the Parameter objects, so the owner's hooks (partial sums included) would never
         run and gradients would be silently wrong.
         """
-        from torch.nn.parallel import DistributedDataParallel
-
         if self.owns_dp and DistributedDataParallel._get_active_ddp_module() is not None:
             raise ShardingError(
                 "hp_lazy: this model runs inside torch DistributedDataParallel, but hp_lazy already averages "
