@@ -6,12 +6,15 @@ names only, and the loader puts this module into each lowered module as ``__hp_r
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Mapping
 from typing import Any, NoReturn
 
+import torch
 from torch import nn
 
 from hp_lazy.errors import ShardingError
-from hp_lazy.names import BOUND, GRADS_ATTR
+from hp_lazy.names import BOUND, GRADS_ATTR, INPUT_CHECK
 from hp_lazy.runtime.binding import Binding, CallContext, add_deferred_bias
 from hp_lazy.runtime.comm import (
     all_to_all,
@@ -66,8 +69,12 @@ def unbound(qualname: str) -> Unbound:
     return Unbound(qualname)
 
 
-def ensure_parallel(module: nn.Module) -> None:
-    """Root prologue: bind the model on its first forward; two dict lookups afterwards."""
+def ensure_parallel(module: nn.Module, inputs: Mapping[str, Any] | None = None) -> None:
+    """Root prologue: bind the model on its first forward; a few dict lookups afterwards.
+
+    ``inputs`` (the forward's arguments; the caller's frame locals when omitted, which at the top
+    of a forward are exactly its arguments) go to the tp group's input check.
+    """
     if BOUND not in module.__dict__:
         from hp_lazy.runtime.bind import parallelize
 
@@ -75,6 +82,9 @@ def ensure_parallel(module: nn.Module) -> None:
     owner = module.__dict__.get(GRADS_ATTR)
     if owner is not None:
         owner.check(module)
+    check = module.__dict__.get(INPUT_CHECK)
+    if check is not None and not torch.compiler.is_compiling():
+        check(sys._getframe(1).f_locals if inputs is None else inputs)
 
 
 def install_root(cls: type[nn.Module]) -> None:
@@ -85,7 +95,7 @@ def install_root(cls: type[nn.Module]) -> None:
 
     @functools.wraps(inherited)
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        ensure_parallel(self)
+        ensure_parallel(self, {"args": args, "kwargs": kwargs})
         return inherited(self, *args, **kwargs)
 
     cls.forward = forward
