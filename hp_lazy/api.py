@@ -24,6 +24,7 @@ from hp_lazy.hook.api import (
     Handle,
     PlanSpec,
     active_plan,
+    check_mesh,
     deactivate,
     install,
     load_plan,
@@ -65,15 +66,22 @@ def activate(
     With more ranks than the plan's degrees, the rest are data parallel: ``data_parallel=True``
     (the default) has hp_lazy average every gradient over them (bucketed, during backward);
     ``False`` leaves that to torch DDP or FSDP2 over ``hp_lazy.mesh().group("dp")``.
-    Activating again replaces the active plan.
+    Activating again replaces the active plan; the handle's exit (``with activate(...):``) puts
+    the replaced one back. One mesh per process: degrees other than those of a module already
+    lowered are a ``PlanError``.
     """
     if os.environ.get("HP_LAZY", "1").strip() == "0":
         logger.debug("hp_lazy: HP_LAZY=0, activate() does nothing")
         return Handle(plan=None)
     resolved = load_plan(plan, tp=tp, sequence_parallel=sequence_parallel)
-    _set_runtime_options(data_parallel=data_parallel, bucket_cap_mb=bucket_cap_mb)
     cache = Cache(None if cache_dir is None else os.fspath(cache_dir))
-    return install(resolved, cache=cache, lower=_lower, bind=_register, runtime=_runtime)
+    handle = install(resolved, cache=cache, lower=_lower, bind=_register, runtime=_runtime)
+    from hp_lazy.runtime import options
+
+    before = options.current()
+    options.set_current(options.RuntimeOptions(data_parallel=data_parallel, bucket_cap_mb=bucket_cap_mb))
+    handle.on_exit.append(lambda: options.set_current(before))
+    return handle
 
 
 def _lower(source: str, module_plan: Any, filename: str) -> Any:
@@ -94,13 +102,6 @@ def _runtime() -> ModuleType:
     return rt
 
 
-def _set_runtime_options(**values: Any) -> None:
-    """Run-time options live with the runtime (``runtime/options`` imports nothing heavy)."""
-    from hp_lazy.runtime import options
-
-    options.set_current(options.RuntimeOptions(**values))
-
-
 def mesh() -> Mesh:
     """The mesh of the active plan: ``mesh().group("dp")`` says which part of the batch this rank
     feeds (``.rank`` of ``.size``) and its ``.pg`` is the process group for DDP; ``device_mesh``
@@ -111,6 +112,7 @@ def mesh() -> Mesh:
     plan = active_plan()
     if plan is None:
         raise ShardingError("hp_lazy.mesh(): no plan is active; call hp_lazy.activate(plan) first")
+    check_mesh(plan, "hp_lazy.mesh()")
     return get_mesh(dict(plan.mesh))
 
 
