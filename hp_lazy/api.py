@@ -42,6 +42,7 @@ __all__ = [
     "deactivate",
     "full_grads",
     "full_state_dict",
+    "gather_sequence",
     "mesh",
     "no_sync",
     "parallelize",
@@ -55,6 +56,8 @@ def activate(
     *,
     tp: int | None = None,
     sequence_parallel: bool = False,
+    cp: int | None = None,
+    cp_mode: str | None = None,
     data_parallel: bool = True,
     bucket_cap_mb: float = 25.0,
     cache_dir: str | os.PathLike[str] | None = None,
@@ -62,7 +65,9 @@ def activate(
     """Lower the modules ``plan`` names when they are imported from now on.
 
     ``plan``: a Plan, a dict, a path to a ``.json`` plan, or ``"auto"`` (transformers' own
-    ``base_model_tp_plan``; needs ``tp``). ``tp`` with an explicit plan overrides its mesh tp.
+    ``base_model_tp_plan``; needs ``tp`` or ``cp``). ``tp`` with an explicit plan overrides its mesh tp.
+    ``cp`` (``"auto"`` only): context parallel; every rank of a cp group passes the same full
+    batch, which the model splits along the sequence (``hp_lazy.gather_sequence`` joins outputs).
     With more ranks than the plan's degrees, the rest are data parallel: ``data_parallel=True``
     (the default) has hp_lazy average every gradient over them (bucketed, during backward);
     ``False`` leaves that to torch DDP or FSDP2 over ``hp_lazy.mesh().group("dp")``.
@@ -73,7 +78,7 @@ def activate(
     if os.environ.get("HP_LAZY", "1").strip() == "0":
         logger.debug("hp_lazy: HP_LAZY=0, activate() does nothing")
         return Handle(plan=None)
-    resolved = load_plan(plan, tp=tp, sequence_parallel=sequence_parallel)
+    resolved = load_plan(plan, tp=tp, sequence_parallel=sequence_parallel, cp=cp, cp_mode=cp_mode)
     cache = Cache(None if cache_dir is None else os.fspath(cache_dir))
     handle = install(resolved, cache=cache, lower=_lower, bind=_register, runtime=_runtime)
     from hp_lazy.runtime import options
@@ -135,6 +140,15 @@ def full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
     from hp_lazy.runtime.state import full_grads as gather
 
     return gather(model)
+
+
+def gather_sequence(tensor: torch.Tensor, dim: int = 1) -> torch.Tensor:
+    """Under context parallel, this rank's rows of a per-token output (``out.logits``, hidden
+    states) -> the whole sequence, in sequence order, on every rank of the cp group (a collective;
+    its backward keeps this rank's rows). Without cp, ``tensor`` itself."""
+    from hp_lazy.runtime.cp.gather import gather_sequence as gather
+
+    return gather(tensor, mesh().group("cp"), dim)
 
 
 @contextlib.contextmanager

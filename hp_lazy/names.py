@@ -38,8 +38,10 @@ LEAF_INPUTS = "_hp_inputs"
 """Leaf modules: (input name, position) pairs their entry ops apply to."""
 VOCAB_RANGE = "_hp_vocab"
 """Vocab-parallel embedding: the ``[start, end)`` rows it holds and the whole vocabulary's size."""
+CP_ENTRY = "_hp_cp_entry"
+"""Bound root's ``__dict__`` key: its context-parallel :class:`~hp_lazy.runtime.cp.entry.ContextEntry`."""
 INPUT_CHECK = "_hp_input_check"
 """Bound root's ``__dict__`` key: its :class:`~hp_lazy.runtime.inputs.InputCheck`."""
 
 GENERATED: frozenset[str] = frozenset({RT, INFO, BINDING, FORM, OUT, CALL})
-ATTACHED: frozenset[str] = frozenset({BOUND, LAYOUT_ATTR, GRADS_ATTR, LEAF_INPUTS, VOCAB_RANGE, INPUT_CHECK})
+ATTACHED: frozenset[str] = frozenset({BOUND, LAYOUT_ATTR, GRADS_ATTR, LEAF_INPUTS, VOCAB_RANGE, INPUT_CHECK, CP_ENTRY})

@@ -26,6 +26,7 @@ from hp_lazy.plan.model import Contract, ModulePlan
 from hp_lazy.plan.placement import Partial, Shard
 from hp_lazy.runtime import inputs, leaves, options, registry
 from hp_lazy.runtime.binding import Binding, compile_ops
+from hp_lazy.runtime.cp.style import ContextParallelStyle
 from hp_lazy.runtime.grads import GradOwner, rules_for
 from hp_lazy.runtime.layout import LayoutTable, plan_layout, shard_in_place
 from hp_lazy.runtime.mesh import Mesh, get_mesh
@@ -41,7 +42,7 @@ from hp_lazy.runtime.tp.style import TensorParallelStyle
 
 __all__ = ["STYLES", "parallelize"]
 
-STYLES: dict[str, type] = {"tp": TensorParallelStyle}
+STYLES: dict[str, type] = {"tp": TensorParallelStyle, "cp": ContextParallelStyle}
 """Mesh axis -> its parallelism's style (a new parallelism adds its room and one entry here)."""
 
 
@@ -144,6 +145,11 @@ def _bind_root(root: nn.Module, lowered: registry.Lowered, mesh: Mesh) -> BindCo
         )
     styles: list[ParallelStyle] = [STYLES[a]() for a, g in groups.items() if g.size > 1 and a in STYLES]
     for fqn, module, contract in ctx.bound:
+        if all(ctx.groups[axis].size == 1 for axis in contract.axes):  # e.g. tp=1 under cp: runs as written
+            for style in styles:
+                style.validate(fqn, module, contract, ctx)
+            setattr(module, BINDING, None)
+            continue
         _bind_boundary(fqn, module, contract, ctx, styles)
     for style in styles:
         style.gradients(ctx)

@@ -368,13 +368,15 @@ def rules_for(
 ) -> dict[str, GradRule]:
     """Every trainable parameter's rule: ``partial`` maps FQN -> (axis, slots, slot) for the
     parameters whose gradient is a partial sum over an axis (from the styles); dp averaging is
-    added to every parameter when hp_lazy owns dp."""
+    added to every parameter when hp_lazy owns dp, and a sum over cp under context parallel."""
     dp = mesh.degree("dp") if data_parallel else 1
     rules: dict[str, GradRule] = {}
     for fqn, param in root.named_parameters():
         if not param.requires_grad:
             continue
         axes: tuple[str, ...] = ("dp",) if dp > 1 else ()
+        if mesh.degree("cp") > 1:  # each cp rank's backward gives its own tokens' part: summed
+            axes = (*axes, "cp")
         slots, slot = 1, 0
         if fqn in partial:
             axis, slots, slot = partial[fqn]

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from hp_lazy.errors import ShardingError
-from hp_lazy.names import BOUND, GRADS_ATTR, INPUT_CHECK
+from hp_lazy.names import BOUND, CP_ENTRY, GRADS_ATTR, INPUT_CHECK
 from hp_lazy.runtime.binding import Binding, CallContext, add_deferred_bias
 from hp_lazy.runtime.comm import (
     all_to_all,
@@ -83,20 +83,26 @@ def ensure_parallel(module: nn.Module, inputs: Mapping[str, Any] | None = None) 
     if owner is not None:
         owner.check(module)
     check = module.__dict__.get(INPUT_CHECK)
-    if check is not None and not torch.compiler.is_compiling():
+    split_later = inputs is None and CP_ENTRY in module.__dict__  # cp: the wrapper checked the full inputs
+    if check is not None and not split_later and not torch.compiler.is_compiling():
         check(sys._getframe(1).f_locals if inputs is None else inputs)
 
 
 def install_root(cls: type[nn.Module]) -> None:
-    """Give a root class whose ``forward`` is inherited a prologue, keeping the signature."""
+    """Wrap a root class's ``forward`` (inherited, or under context parallel its own, whose
+    prologue then finds the model bound): bind, check inputs, and let the bound root's context
+    parallel entry split the batch. The signature is kept (``functools.wraps``)."""
     import functools
 
-    inherited = cls.forward
+    inner = cls.forward
 
-    @functools.wraps(inherited)
+    @functools.wraps(inner)
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         ensure_parallel(self, {"args": args, "kwargs": kwargs})
-        return inherited(self, *args, **kwargs)
+        entry = self.__dict__.get(CP_ENTRY)
+        if entry is None:
+            return inner(self, *args, **kwargs)
+        return entry(inner, self, args, kwargs)
 
     cls.forward = forward
 
