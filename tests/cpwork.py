@@ -101,3 +101,88 @@ def activate(rank: int, world: int, cp: int, tp: int) -> None:
     import hp_lazy
 
     hp_lazy.activate("auto", cp=cp, tp=tp)
+
+
+def train_broken(rank: int, world: int, path: str, data: dict[str, Any], how: str) -> dict[str, Any]:
+    """Negative controls: the train run with one part of context parallel done the naive way."""
+    import torch
+
+    from hp_lazy.runtime.comm import reduce_from
+    from hp_lazy.runtime.cp import entry, state
+
+    undo = []
+
+    def patch(owner, name, value):
+        undo.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, value)
+
+    if how == "local positions":  # each rank numbers its own rows 0..S/C-1
+        build = state.CallState.__init__
+
+        def init(self, **kw):
+            build(self, **kw)
+            local = torch.zeros_like(self.positions)
+            local[:, self.zig.local] = torch.arange(self.zig.local_len)
+            self.positions = local
+
+        patch(state.CallState, "__init__", init)
+    elif how == "upper-left causal":  # the local query rows against the gathered rows by row number
+        def upper_left(self, causal, window):
+            return (torch.arange(self.zig.seq)[None, :] <= torch.arange(self.zig.local_len)[:, None])[None, None]
+
+        patch(state.CallState, "_build", upper_left)
+    elif how == "mean of means":  # each rank's mean loss, averaged over ranks
+        split = entry.ContextEntry._split
+
+        def local_count(self, values, use_cache):
+            call, st, has_labels = split(self, values, use_cache)
+            call["num_items_in_batch"] = (call["labels"] != -100).sum()
+            return call, st, has_labels
+
+        patch(entry.ContextEntry, "_split", local_count)
+        patch(entry, "reduce_from", lambda x, g: reduce_from(x, g) / g.size)
+    try:
+        return train(rank, world, path, data)
+    finally:
+        for owner, name, value in reversed(undo):
+            setattr(owner, name, value)
+
+
+def saved_shapes(rank: int, world: int, path: str, data: dict[str, Any]) -> list[tuple[int, ...]]:
+    """Shapes of every tensor autograd saves for backward during one forward."""
+    import torch
+
+    import hp_lazy
+
+    model = hp_lazy.parallelize(load(path))
+    shapes: list[tuple[int, ...]] = []
+
+    def pack(t):
+        shapes.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(**data).loss
+    loss.backward()
+    return shapes
+
+
+def train_dp(rank: int, world: int, path: str, data: dict[str, Any]) -> dict[str, Any]:
+    """dp x cp: each dp group feeds its own rows (every cp rank of it the same rows)."""
+    import hp_lazy
+
+    dp = hp_lazy.mesh().group("dp")
+    mine = {k: v.chunk(dp.size)[dp.rank] if hasattr(v, "chunk") else v for k, v in data.items()}
+    result = run(load(path), mine, gather=hp_lazy.gather_sequence, full_grads=hp_lazy.full_grads,
+                 full_state_dict=hp_lazy.full_state_dict)
+    return {**result, "dp_rank": dp.rank}
+
+
+def balanced(seq: int = 16) -> dict[str, Any]:
+    """Every row with the same number of valid labels after the shift (11 of 16): hp_lazy's dp average
+    (DDP's) is then the global mean."""
+    ids = models.batch(seq=seq)
+    labels = ids.clone()
+    labels[0, 1:5] = -100
+    labels[1, -4:] = -100
+    return {"input_ids": ids, "labels": labels}
