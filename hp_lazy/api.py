@@ -16,10 +16,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
+from hp_lazy.hook.after import when_imported
 from hp_lazy.hook.api import (
     Handle,
     PlanSpec,
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "activate",
+    "clip_grad_norm_",
     "deactivate",
     "full_grads",
     "full_state_dict",
@@ -73,7 +75,9 @@ def activate(
     resolved = load_plan(plan, tp=tp, sequence_parallel=sequence_parallel)
     _set_runtime_options(data_parallel=data_parallel, bucket_cap_mb=bucket_cap_mb)
     cache = Cache(None if cache_dir is None else os.fspath(cache_dir))
-    return install(resolved, cache=cache, lower=_lower, bind=_register, runtime=_runtime)
+    handle = install(resolved, cache=cache, lower=_lower, bind=_register, runtime=_runtime)
+    when_imported("accelerate.accelerator", _integrate_accelerate)
+    return handle
 
 
 def _lower(source: str, module_plan: Any, filename: str) -> Any:
@@ -92,6 +96,18 @@ def _runtime() -> ModuleType:
     from hp_lazy.runtime import rt
 
     return rt
+
+
+def _integrate_accelerate(module: ModuleType) -> None:
+    """accelerate (and the transformers Trainer on it): see :mod:`hp_lazy.integrations.accelerate`."""
+    from hp_lazy.integrations import accelerate
+
+    accelerate.install(module, degrees=_active_degrees)
+
+
+def _active_degrees() -> dict[str, int] | None:
+    plan = active_plan()
+    return None if plan is None else dict(plan.mesh)
 
 
 def _set_runtime_options(**values: Any) -> None:
@@ -133,6 +149,22 @@ def full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
     from hp_lazy.runtime.state import full_grads as gather
 
     return gather(model)
+
+
+def clip_grad_norm_(
+    parameters: torch.Tensor | Iterable[torch.Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` for a parallel model: the total norm (returned) is one
+    process's, every shard counted once over every axis; a collective. After ``parallelize`` the
+    stock ``torch.nn.utils.clip_grad_norm_`` and accelerate's ``clip_grad_norm_`` (the Trainer's)
+    route here for a bound model's parameters."""
+    from hp_lazy.runtime.clip import clip_grad_norm_ as clip
+
+    return clip(parameters, max_norm, norm_type, error_if_nonfinite, foreach)
 
 
 @contextlib.contextmanager

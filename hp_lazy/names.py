@@ -38,6 +38,8 @@ LEAF_INPUTS = "_hp_inputs"
 """Leaf modules: (input name, position) pairs their entry ops apply to."""
 VOCAB_RANGE = "_hp_vocab"
 """Vocab-parallel embedding: the ``[start, end)`` rows it holds."""
+PATCHED = "_hp_patched"
+"""Class attribute on a training stack's class hp_lazy routed (accelerate's ``Accelerator``)."""
 
 GENERATED: frozenset[str] = frozenset({RT, INFO, BINDING, FORM, OUT, CALL})
-ATTACHED: frozenset[str] = frozenset({BOUND, LAYOUT_ATTR, GRADS_ATTR, LEAF_INPUTS, VOCAB_RANGE})
+ATTACHED: frozenset[str] = frozenset({BOUND, LAYOUT_ATTR, GRADS_ATTR, LEAF_INPUTS, VOCAB_RANGE, PATCHED})

@@ -23,7 +23,7 @@ from hp_lazy.names import BINDING, BOUND, FORM, GRADS_ATTR, LAYOUT_ATTR
 from hp_lazy.plan.fqn import compile_glob
 from hp_lazy.plan.model import Contract, ModulePlan
 from hp_lazy.plan.placement import Partial, Shard
-from hp_lazy.runtime import leaves, options, registry
+from hp_lazy.runtime import clip, leaves, options, registry
 from hp_lazy.runtime.binding import Binding, compile_ops
 from hp_lazy.runtime.grads import GradOwner, rules_for
 from hp_lazy.runtime.layout import LayoutTable, plan_layout, shard_in_place
@@ -76,6 +76,8 @@ def parallelize(model: nn.Module, *, data_parallel: bool | None = None) -> nn.Mo
         partial.update({names[pid]: rule for pid, rule in ctx.partial.items() if pid in names})
     _own_gradients(model, ctx.mesh, partial, data_parallel)
     model.__dict__[LAYOUT_ATTR] = table
+    clip.register(model)
+    clip.install()  # torch's clip_grad_norm_ on this model's gradients: one process's norm
     for module in model.modules():
         if registry.lowered_for(type(module)) is not None:
             module.__dict__[BOUND] = True
