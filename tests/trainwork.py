@@ -43,7 +43,7 @@ class Rows:
 
 
 def trainer(rank: int, world: int, path: str, out: str, optim: str = "sgd", ga: int = 1,
-            parallelize: bool = False, max_grad_norm: float = 1.0) -> dict[str, Any]:
+            parallelize: bool = False, max_grad_norm: float = 1.0, data_parallel: bool | None = None) -> dict[str, Any]:
     """``Trainer(model=model, args=TrainingArguments(...), train_dataset=...).train()``, 3 steps;
     every rank returns its log (loss and grad_norm per step), rank 0 the full parameters too."""
     import hp_lazy
@@ -51,8 +51,8 @@ def trainer(rank: int, world: int, path: str, out: str, optim: str = "sgd", ga: 
     from transformers import Trainer, TrainingArguments
 
     model = parity._load(path)
-    if parallelize:
-        hp_lazy.parallelize(model)
+    if parallelize or data_parallel is not None:
+        hp_lazy.parallelize(model, data_parallel=data_parallel)  # False: torch DDP over the dp group
     lr = 0.1 if optim == "sgd" else 1e-3
     args = TrainingArguments(
         output_dir=out, per_device_train_batch_size=GLOBAL_BATCH // (_dp_size() * ga), gradient_accumulation_steps=ga,
@@ -149,6 +149,21 @@ def compare_clip(got: list[dict[str, Any]], ref: dict[str, Any]) -> float:
     bad = {k: v for k, v in errors.items() if not v <= parity.TOL}
     assert not bad, f"clipped gradients off: {dict(list(bad.items())[:4])}"
     return max(abs(r["norm"] - ref["norm"]) / ref["norm"] for r in got)
+
+
+def clip_under_no_sync(rank: int, world: int, path: str) -> str:
+    """Clipping gradients hp_lazy has not reduced over dp yet is refused."""
+    import hp_lazy
+    import torch
+
+    model = hp_lazy.parallelize(parity._load(path))
+    ids = models.batch(seed=3, batch_size=2)
+    with hp_lazy.no_sync(model):
+        model(input_ids=ids, labels=ids).loss.backward()
+    error = _raised(lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
+    model(input_ids=ids, labels=ids).loss.backward()  # reduces what was accumulated
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    return error
 
 
 def clip_errors(rank: int, world: int, path: str) -> dict[str, str]:
