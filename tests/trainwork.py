@@ -46,9 +46,10 @@ def trainer(rank: int, world: int, path: str, out: str, optim: str = "sgd", ga: 
             parallelize: bool = False, max_grad_norm: float = 1.0, data_parallel: bool | None = None) -> dict[str, Any]:
     """``Trainer(model=model, args=TrainingArguments(...), train_dataset=...).train()``, 3 steps;
     every rank returns its log (loss and grad_norm per step), rank 0 the full parameters too."""
-    import hp_lazy
     import torch
     from transformers import Trainer, TrainingArguments
+
+    import hp_lazy
 
     model = parity._load(path)
     if parallelize or data_parallel is not None:
@@ -114,9 +115,10 @@ def clip_loop(rank: int, world: int, path: str, norm_type: float, max_norm: floa
     """A user loop: forward, backward, ``torch.nn.utils.clip_grad_norm_``; the total norm on every
     rank, what torch's unrouted function says on this rank (the old, wrong number), and the
     clipped full gradients on rank 0."""
-    import hp_lazy
     import torch
     from torch.nn.utils import clip_grad
+
+    import hp_lazy
 
     model = _loop_model(path)
     ids = models.batch(seed=3, batch_size=ROWS)[:GLOBAL_BATCH]
@@ -153,8 +155,9 @@ def compare_clip(got: list[dict[str, Any]], ref: dict[str, Any]) -> float:
 
 def clip_under_no_sync(rank: int, world: int, path: str) -> str:
     """Clipping gradients hp_lazy has not reduced over dp yet is refused."""
-    import hp_lazy
     import torch
+
+    import hp_lazy
 
     model = hp_lazy.parallelize(parity._load(path))
     ids = models.batch(seed=3, batch_size=2)
@@ -168,8 +171,9 @@ def clip_under_no_sync(rank: int, world: int, path: str) -> str:
 
 def clip_errors(rank: int, world: int, path: str) -> dict[str, str]:
     """The refusals: a call mixing foreign tensors, under no_sync, norm_type 0."""
-    import hp_lazy
     import torch
+
+    import hp_lazy
 
     model = hp_lazy.parallelize(parity._load(path))
     ids = models.batch(seed=3, batch_size=2)
