@@ -1,7 +1,8 @@
 """The stock transformers ``Trainer`` and ``torch.nn.utils.clip_grad_norm_`` at dp=2 x tp=2
 (world 4), against one process over the same global batch: each tp group reads its own half
 (the ranks of a group the same rows), hp_lazy averages over dp; or torch DDP over the dp group
-(``data_parallel=False``). Clipping counts every shard once over dp and tp."""
+(``data_parallel=False``). Clipping counts every shard once over dp and tp; evaluation keeps
+one copy of each row."""
 
 from __future__ import annotations
 
@@ -67,3 +68,12 @@ def test_clip_under_no_sync_is_refused(pool: DistPool, refs) -> None:
     path, _ = refs("llama")
     errors = pool.run(trainwork.clip_under_no_sync, path)
     assert all("were accumulated under hp_lazy.no_sync and are not reduced over the ranks yet" in e for e in errors)
+
+
+def test_trainer_evaluate_with_a_cut_last_batch(pool: DistPool, refs, tmp_path) -> None:
+    """The evaluation set does not fill the last global batch: the gathered losses must be
+    truncated to the right rows (one copy per dp rank), not to the tp copies."""
+    path, _ = refs("llama")
+    ref = trainwork.evaluate(0, 1, path, str(tmp_path / "ref"))
+    got = pool.run(trainwork.evaluate, path, str(tmp_path / "hp"))
+    assert all(abs(g - ref) <= parity.TOL * ref for g in got), (got, ref)

@@ -74,6 +74,22 @@ def trainer(rank: int, world: int, path: str, out: str, optim: str = "sgd", ga: 
     return result
 
 
+class FewRows(Rows):
+    """6 rows: the last evaluation batch of 4 is cut to 2 (``gather_for_metrics``'s remainder)."""
+
+    def __len__(self) -> int:
+        return 6
+
+
+def evaluate(rank: int, world: int, path: str, out: str) -> float:
+    """``Trainer(model=model, args=..., eval_dataset=...).evaluate()["eval_loss"]``."""
+    from transformers import Trainer, TrainingArguments
+
+    args = TrainingArguments(output_dir=out, per_device_eval_batch_size=GLOBAL_BATCH // _dp_size(), report_to=[],
+                             use_cpu=True, disable_tqdm=True)
+    return float(Trainer(model=parity._load(path), args=args, eval_dataset=FewRows()).evaluate()["eval_loss"])
+
+
 def compare_trainer(got: dict[str, Any], ref: dict[str, Any], tol: float = parity.TOL) -> dict[str, float]:
     errors = {"loss": models.rel_err(got["loss"], ref["loss"]), "grad_norm": models.rel_err(got["grad_norm"], ref["grad_norm"])}
     errors.update({f"param {n}": models.rel_err(got["state"][n], v) for n, v in ref["state"].items()})

@@ -13,6 +13,10 @@ module changes (installed on ``accelerate.accelerator`` by ``activate``, when it
   different batch. While a plan with tp (or cp) > 1 is active, it shards over the dp ranks only:
   the ranks of one tp group read the same batch (``num_processes = dp``, ``process_index`` = the
   dp rank), the contract of a hand-written hp_lazy loop.
+- ``Accelerator.gather_for_metrics`` (the Trainer's evaluation) gathers from every rank, then
+  truncates the last batch to the data set as if each rank had read its own rows: the copies the
+  other ranks of a tp group hold are dropped first (one per dp rank is kept), so that the
+  truncation keeps the right rows.
 - ``Accelerator.no_sync`` (gradient accumulation) becomes ``hp_lazy.no_sync`` for an unwrapped
   hp_lazy model; ``Accelerator.clip_grad_norm_`` becomes ``hp_lazy.clip_grad_norm_`` for its
   parameters (one process's norm; see :mod:`hp_lazy.runtime.clip`).
@@ -56,6 +60,7 @@ def install(module: ModuleType, degrees: Degrees) -> None:
     cls.prepare_model = _prepare_model(cls.prepare_model)
     cls.no_sync = _no_sync(cls.no_sync)
     cls.clip_grad_norm_ = _clip_grad_norm(cls.clip_grad_norm_)
+    cls.gather_for_metrics = _gather_for_metrics(cls.gather_for_metrics, degrees)
     module.prepare_data_loader = _prepare_data_loader(module.prepare_data_loader, degrees)  # type: ignore[attr-defined]
     setattr(cls, PATCHED, True)
 
@@ -132,6 +137,46 @@ def _clip_grad_norm(stock: Callable[..., Any]) -> Callable[..., Any]:
         return clip.clip_grad_norm_(params, max_norm, norm_type)
 
     return clip_grad_norm_
+
+
+def _gather_for_metrics(stock: Callable[..., Any], degrees: Degrees) -> Callable[..., Any]:
+    @functools.wraps(stock)
+    def gather_for_metrics(self: Any, input_data: Any, use_gather_object: bool = False) -> Any:
+        ranks = _data_ranks(degrees(), getattr(self.state, "device_mesh", None))
+        if ranks is None:
+            return stock(self, input_data, use_gather_object)
+        import accelerate.accelerator as module
+
+        world, dp = self.num_processes, ranks[0]
+        plain_gather, plain_objects = type(self).gather, module.gather_object
+        self.gather = lambda data: module.recursively_apply(
+            lambda t: _one_per_dp_rank(t, world, dp), plain_gather(self, data)
+        )
+        module.gather_object = lambda data: _one_per_dp_rank(plain_objects(data), world, dp)
+        try:
+            return stock(self, input_data, use_gather_object)
+        finally:
+            del self.gather
+            module.gather_object = plain_objects
+
+    return gather_for_metrics
+
+
+def _one_per_dp_rank(gathered: Any, world: int, dp: int) -> Any:
+    """Of the ``world`` equal parts of ``gathered`` (rank order), those of the first rank of each
+    dp rank's group (dp is the outermost mesh axis: ranks ``d * world/dp ...`` share rows)."""
+    if len(gathered) % world:
+        raise ShardingError(
+            f"accelerate gather_for_metrics: {len(gathered)} gathered items do not split into {world} equal parts, "
+            "so hp_lazy cannot drop the tensor-parallel copies; keep even_batches=True (the default)"
+        )
+    size, stride = len(gathered) // world, world // dp
+    parts = [gathered[r * size : (r + 1) * size] for r in range(0, world, stride)]
+    if isinstance(gathered, list):
+        return [item for part in parts for item in part]
+    import torch
+
+    return torch.cat(parts)
 
 
 def _prepare_data_loader(stock: Callable[..., Any], degrees: Degrees) -> Callable[..., Any]:
