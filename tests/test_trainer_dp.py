@@ -64,6 +64,15 @@ def test_clip_grad_norm_in_a_user_loop(pool: DistPool, refs, name: str, norm_typ
         assert all(abs(g["local"] - ref["norm"]) > 1e-3 * ref["norm"] for g in got)
 
 
+@pytest.mark.parametrize("wrap", ["ddp", "fsdp"])
+def test_clip_grad_norm_with_torch_owning_dp(pool: DistPool, refs, wrap: str) -> None:
+    """data_parallel=False: DDP over the dp group (identical gradients on the dp ranks) or FSDP2 over
+    the dp sub-mesh (DTensor gradients, a distinct piece on each dp rank)."""
+    path, _ = refs("llama")
+    ref = _reference(trainwork.clip_loop, path, 2.0)
+    trainwork.compare_clip(pool.run(trainwork.clip_loop, path, 2.0, wrap=wrap), ref)
+
+
 def test_clip_under_no_sync_is_refused(pool: DistPool, refs) -> None:
     path, _ = refs("llama")
     errors = pool.run(trainwork.clip_under_no_sync, path)

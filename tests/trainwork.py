@@ -12,6 +12,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+import dpwork
 import models
 import parity
 
@@ -127,7 +128,8 @@ def stock_trainer(rank: int, world: int, path: str, out: str) -> dict[str, Any]:
         return trainer(rank, world, path, out, parallelize=True)
 
 
-def clip_loop(rank: int, world: int, path: str, norm_type: float, max_norm: float = 0.5) -> dict[str, Any]:
+def clip_loop(rank: int, world: int, path: str, norm_type: float, max_norm: float = 0.5,
+              wrap: str = "hp") -> dict[str, Any]:
     """A user loop: forward, backward, ``torch.nn.utils.clip_grad_norm_``; the total norm on every
     rank, what torch's unrouted function says on this rank (the old, wrong number), and the
     clipped full gradients on rank 0."""
@@ -136,14 +138,15 @@ def clip_loop(rank: int, world: int, path: str, norm_type: float, max_norm: floa
 
     import hp_lazy
 
-    model = _loop_model(path)
+    model = _loop_model(path, data_parallel=(wrap == "hp"))
     ids = models.batch(seed=3, batch_size=ROWS)[:GLOBAL_BATCH]
     dp = hp_lazy.mesh().group("dp") if world > 1 else None
     mine = ids.chunk(dp.size)[dp.rank] if dp is not None else ids
-    model(input_ids=mine, labels=mine).loss.backward()
+    net = dpwork._wrapped(model, wrap) if world > 1 else model  # "ddp"/"fsdp" over the dp group
+    net(input_ids=mine, labels=mine).loss.backward()
     unrouted = getattr(clip_grad._get_total_norm, "__wrapped__", clip_grad._get_total_norm)
     local = unrouted([p.grad for p in model.parameters() if p.grad is not None], norm_type)
-    total = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type=norm_type)
+    total = torch.nn.utils.clip_grad_norm_(net.parameters(), max_norm, norm_type=norm_type)
     result = {"norm": float(total), "local": float(local)}
     grads = hp_lazy.full_grads(model) if world > 1 else {n: p.grad.clone() for n, p in model.named_parameters()}
     if rank == 0:
@@ -151,12 +154,12 @@ def clip_loop(rank: int, world: int, path: str, norm_type: float, max_norm: floa
     return result
 
 
-def _loop_model(path: str):
+def _loop_model(path: str, data_parallel: bool = True):
     import hp_lazy
     from hp_lazy.api import active_plan
 
     model = parity._load(path)
-    return hp_lazy.parallelize(model) if active_plan() is not None else model
+    return hp_lazy.parallelize(model, data_parallel=data_parallel) if active_plan() is not None else model
 
 
 def compare_clip(got: list[dict[str, Any]], ref: dict[str, Any]) -> float:
