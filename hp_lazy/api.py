@@ -77,6 +77,7 @@ def activate(
     cache = Cache(None if cache_dir is None else os.fspath(cache_dir))
     handle = install(resolved, cache=cache, lower=_lower, bind=_register, runtime=_runtime)
     when_imported("accelerate.accelerator", _integrate_accelerate)
+    when_imported("transformers.trainer", _integrate_trainer)
     return handle
 
 
@@ -103,6 +104,13 @@ def _integrate_accelerate(module: ModuleType) -> None:
     from hp_lazy.integrations import accelerate
 
     accelerate.install(module, degrees=_active_degrees)
+
+
+def _integrate_trainer(module: ModuleType) -> None:
+    """The Trainer's count of ranks sharing a batch: see :mod:`hp_lazy.integrations.transformers`."""
+    from hp_lazy.integrations import transformers
+
+    transformers.install(module, degrees=_active_degrees)
 
 
 def _active_degrees() -> dict[str, int] | None:

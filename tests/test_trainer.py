@@ -37,6 +37,7 @@ def test_trainer_default_args_sgd(pool: DistPool, refs, tmp_path) -> None:
     got = pool.run(trainwork.trainer, path, str(tmp_path / "hp"))
     assert [g["wrapped"] for g in got] == ["LlamaForCausalLM"] * 2
     trainwork.compare_trainer(got[0], ref)
+    assert [g["total_batch"] for g in got] == [ref["total_batch"]] * len(got) == [trainwork.GLOBAL_BATCH] * len(got)
     assert all(float((g["loss"] - ref["loss"]).abs().max()) <= 1e-5 for g in got)
 
 

@@ -36,6 +36,7 @@ def test_trainer_default_args_sgd(pool: DistPool, refs, tmp_path) -> None:
     got = pool.run(trainwork.trainer, path, str(tmp_path / "hp"))
     assert [g["wrapped"] for g in got] == ["LlamaForCausalLM"] * 4
     trainwork.compare_trainer(got[0], ref)
+    assert [g["total_batch"] for g in got] == [ref["total_batch"]] * len(got) == [trainwork.GLOBAL_BATCH] * len(got)
 
 
 @pytest.mark.parametrize("optim", ["sgd", "adamw_torch"])

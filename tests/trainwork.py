@@ -70,6 +70,7 @@ def trainer(rank: int, world: int, path: str, out: str, optim: str = "sgd", ga: 
         "loss": torch.tensor([h["loss"] for h in logged], dtype=torch.float64),
         "grad_norm": torch.tensor([h["grad_norm"] for h in logged], dtype=torch.float64),
         "wrapped": type(run.model_wrapped).__name__,
+        "total_batch": run.get_total_train_batch_size(args),
     }
     state = hp_lazy.full_state_dict(model)
     if rank == 0:
@@ -105,24 +106,21 @@ def compare_trainer(got: dict[str, Any], ref: dict[str, Any], tol: float = parit
 def stock_stack() -> Iterator[None]:
     """Negative control: accelerate's and torch's own functions, as before hp_lazy routed them."""
     import accelerate.accelerator as acc
+    import transformers.trainer as trainer
     from torch.nn import utils
     from torch.nn.utils import clip_grad
 
-    cls = acc.Accelerator
-    names = ("prepare_model", "no_sync", "clip_grad_norm_")
-    saved = {n: cls.__dict__[n] for n in names}
-    saved_loader, saved_norm = acc.prepare_data_loader, clip_grad._get_total_norm
+    routed = [(acc.Accelerator, n) for n in ("prepare_model", "no_sync", "clip_grad_norm_", "gather_for_metrics")]
+    routed += [(trainer.Trainer, "get_tp_size"), (acc, "prepare_data_loader"), (clip_grad, "_get_total_norm"),
+               (utils, "get_total_norm")]
+    saved = [getattr(owner, name) for owner, name in routed]
     try:
-        for n in names:
-            setattr(cls, n, saved[n].__wrapped__)
-        acc.prepare_data_loader = saved_loader.__wrapped__
-        clip_grad._get_total_norm = utils.get_total_norm = saved_norm.__wrapped__
+        for (owner, name), fn in zip(routed, saved, strict=True):
+            setattr(owner, name, fn.__wrapped__)
         yield
     finally:
-        for n in names:
-            setattr(cls, n, saved[n])
-        acc.prepare_data_loader = saved_loader
-        clip_grad._get_total_norm = utils.get_total_norm = saved_norm
+        for (owner, name), fn in zip(routed, saved, strict=True):
+            setattr(owner, name, fn)
 
 
 def stock_trainer(rank: int, world: int, path: str, out: str) -> dict[str, Any]:

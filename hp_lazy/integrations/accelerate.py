@@ -22,11 +22,12 @@ module changes (installed on ``accelerate.accelerator`` by ``activate``, when it
   parameters (one process's norm; see :mod:`hp_lazy.runtime.clip`).
 
 Why not accelerate's own tensor-parallel route (``ParallelismConfig(tp_size=...)``, which the
-Trainer takes when ``model.tp_size > 1``): it refuses ``MULTI_CPU``, expects DTensor parameters
-and brings a second device mesh; hp_lazy leaves ``model.tp_size`` unset, so the Trainer's own
-arithmetic stays consistent (its token count gathered over all ranks and its loss scale
-``num_processes // tp_size`` both count the tp ranks, which cancels: the gradient equals one
-process's). Everything else accelerate and the Trainer do is untouched.
+Trainer takes when ``model.tp_size > 1``): it refuses ``MULTI_CPU`` ("ParallelismConfig is only
+compatible DistributedType.FSDP (version 2) or DistributedType.Multi{Device}..."), expects DTensor
+parameters (it skips a plain-tensor model with a warning) and builds a second device mesh. So
+hp_lazy leaves ``model.tp_size`` unset and tells the Trainer how many ranks share a batch through
+:mod:`hp_lazy.integrations.transformers` instead. Everything else accelerate and the Trainer do is
+untouched.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def _owner_root(model: nn.Module) -> nn.Module | None:
     return next((m for m in model.modules() if GRADS_ATTR in m.__dict__), None)
 
 
-def _lowered(model: nn.Module) -> bool:
+def lowered(model: nn.Module) -> bool:
     return any(registry.lowered_for(type(m)) is not None for m in model.modules())
 
 
@@ -78,7 +79,7 @@ def _prepare_model(stock: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(stock)
     def prepare_model(self: Any, model: nn.Module, device_placement: bool | None = None,
                       evaluation_mode: bool = False) -> Any:
-        if getattr(model, "_is_accelerate_prepared", False) or not _lowered(model):
+        if getattr(model, "_is_accelerate_prepared", False) or not lowered(model):
             return stock(self, model, device_placement=device_placement, evaluation_mode=evaluation_mode)
         _refuse_plugins(self, model)
         root = _owner_root(model) or parallelize(model)
