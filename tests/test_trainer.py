@@ -50,6 +50,12 @@ def test_trainer_with_accumulation(pool: DistPool, refs, tmp_path, optim: str) -
     trainwork.compare_trainer(got[0], ref, tol=trainwork.TOL[optim])
 
 
+def test_trainer_after_deactivate(pool: DistPool, refs, tmp_path) -> None:
+    path, _ = refs("llama")
+    ref = _reference(trainwork.trainer, path, str(tmp_path / "ref"))
+    trainwork.compare_trainer(pool.run(trainwork.trainer_after_deactivate, path, str(tmp_path / "hp"))[0], ref)
+
+
 def test_the_stock_stack_is_wrong(pool: DistPool, refs, tmp_path) -> None:
     """Negative control: accelerate's own prepare (DDP over both tp ranks, each its own batch) and
     torch's own norm: silently different numbers."""

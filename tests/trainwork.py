@@ -227,3 +227,21 @@ def dispatching_loader(rank: int, world: int) -> None:
 
     loader = torch.utils.data.DataLoader(list(range(8)), batch_size=2)
     Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(dispatch_batches=True)).prepare(loader)
+
+
+def trainer_after_deactivate(rank: int, world: int, path: str, out: str) -> dict[str, Any]:
+    """The model's module was lowered, then the plan deactivated: the Trainer still shards the
+    data by the mesh the module was lowered for."""
+    import warnings
+
+    import hp_lazy
+    from hp_lazy.api import active_plan
+
+    plan = active_plan()
+    hp_lazy.deactivate()
+    try:
+        return trainer(rank, world, path, out)
+    finally:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the lowered module stays imported
+            hp_lazy.activate(plan)

@@ -38,6 +38,7 @@ from collections.abc import Callable, Iterator, Mapping
 from types import ModuleType
 from typing import Any
 
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -193,8 +194,26 @@ def _prepare_data_loader(stock: Callable[..., Any], degrees: Degrees) -> Callabl
     return prepare_data_loader
 
 
-def _data_ranks(degrees: Mapping[str, int] | None, accelerate_mesh: Any) -> tuple[int, int] | None:
+def sharing_degrees(active: Mapping[str, int] | None) -> Mapping[str, int] | None:
+    """The mesh degrees that decide which ranks share a batch: the active plan's, else (after
+    ``deactivate``) those the lowered modules were made for; ``None`` when nothing was lowered or
+    this is a single process (nothing to share)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    if active is not None:
+        return active
+    made_for = registry.meshes()
+    if len(made_for) > 1:
+        raise ShardingError(
+            f"hp_lazy: no plan is active and modules were lowered for several meshes {made_for}, so it is unknown "
+            "which ranks share a batch; keep the plan active (hp_lazy.activate) while the model trains"
+        )
+    return made_for[0] if made_for else None
+
+
+def _data_ranks(active: Mapping[str, int] | None, accelerate_mesh: Any) -> tuple[int, int] | None:
     """``(dp size, dp rank)`` when some ranks share a batch (tp or cp > 1); ``None`` otherwise."""
+    degrees = sharing_degrees(active)
     if degrees is None or accelerate_mesh is not None:
         return None
     mesh = get_mesh(dict(degrees))

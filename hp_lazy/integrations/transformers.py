@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import Any
 
-from hp_lazy.integrations.accelerate import lowered
+from hp_lazy.integrations.accelerate import lowered, sharing_degrees
 from hp_lazy.names import PATCHED
 from hp_lazy.runtime.mesh import get_mesh
 
@@ -39,8 +39,10 @@ def _get_tp_size(stock: Callable[..., int], degrees: Degrees) -> Callable[..., i
     @functools.wraps(stock)
     def get_tp_size(self: Any) -> int:
         size = stock(self)
-        active = degrees()
-        if size != 1 or active is None or self.model is None or not lowered(self.model):
+        if size != 1 or self.model is None or not lowered(self.model):
+            return size
+        active = sharing_degrees(degrees())
+        if active is None:
             return size
         mesh = get_mesh(dict(active))
         return mesh.world // mesh.group("dp").size
