@@ -25,7 +25,8 @@ torch's ``torch.nn.utils.get_total_norm`` — the function behind ``torch.nn.uti
 covered), accelerate's ``Accelerator.clip_grad_norm_`` and so the transformers Trainer's clipping
 and logged ``grad_norm``. The wrapper changes nothing for tensors that are no gradient of a model
 hp_lazy bound; a call mixing both kinds, a norm type other than ``p > 0`` or ``inf``, and gradients
-accumulated under ``hp_lazy.no_sync`` but not reduced yet are ``ShardingError``\\ s.
+accumulated under ``hp_lazy.no_sync`` but not reduced yet are ``ShardingError``\\ s (on torch < 2.6,
+which has no ``get_total_norm``, the stock ``clip_grad_norm_`` refuses a bound model's parameters).
 
 Every rank of the model's mesh must make the call (it is a collective), with the corresponding
 parameters.
@@ -67,15 +68,15 @@ class _Piece:
     mesh: Mesh
 
 
-def _known() -> dict[int, tuple[nn.Parameter, _Piece]]:
-    """id(grad) -> (parameter, what it is) for every gradient of every bound model."""
-    found: dict[int, tuple[nn.Parameter, _Piece]] = {}
+def _known() -> dict[int, _Piece]:
+    """id(grad) -> what it is, for every gradient of every bound model."""
+    found: dict[int, _Piece] = {}
     for model in list(_MODELS):
         mesh = model.__dict__[GRADS_ATTR].mesh
         layouts = {prefix + fqn: table.get(fqn) for prefix, table in tables(model) for fqn in table}
         for fqn, param in model.named_parameters():
             if param.grad is not None:
-                found[id(param.grad)] = (param, _Piece(fqn, model, layouts.get(fqn), mesh))
+                found[id(param.grad)] = _Piece(fqn, model, layouts.get(fqn), mesh)
     return found
 
 
@@ -95,7 +96,7 @@ def get_total_norm(
     none of them is such a gradient (the caller then uses torch's own)."""
     grads = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
     known = _known()
-    pieces = [known[id(g)][1] for g in grads if id(g) in known]
+    pieces = [known[id(g)] for g in grads if id(g) in known]
     if not pieces:
         return None
     if len(pieces) < len(grads):
@@ -130,8 +131,8 @@ def clip_grad_norm_(
     grads = [p.grad for p in params if p.grad is not None]
     with torch.no_grad():
         total = get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
-        if total is None:
-            total = _TORCH["get_total_norm"](grads, norm_type, error_if_nonfinite, foreach)
+        if total is None:  # no gradient of a bound model: torch's own
+            total = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach)
     return total
 
@@ -210,7 +211,7 @@ def _counted(piece: _Piece, dp_sharded: bool) -> bool:
 
 
 # -- routing the stock calls ------------------------------------------------------------------------
-_TORCH: dict[str, Callable[..., torch.Tensor]] = {}
+_INSTALLED: list[bool] = []
 
 
 def install() -> None:
@@ -219,10 +220,13 @@ def install() -> None:
     from torch.nn import utils
     from torch.nn.utils import clip_grad
 
-    if _TORCH:
+    if _INSTALLED:
         return
-    stock = clip_grad._get_total_norm
-    _TORCH["get_total_norm"] = stock
+    _INSTALLED.append(True)
+    stock = getattr(clip_grad, "_get_total_norm", None)
+    if stock is None:  # torch < 2.6: no get_total_norm to route; refuse what would be wrong
+        utils.clip_grad_norm_ = clip_grad.clip_grad_norm_ = _refused(clip_grad.clip_grad_norm_)
+        return
 
     def routed(
         tensors: torch.Tensor | Iterable[torch.Tensor],
@@ -239,3 +243,17 @@ def install() -> None:
     routed.__wrapped__ = stock  # type: ignore[attr-defined]
     clip_grad._get_total_norm = routed  # clip_grad_norm_ calls it by this name
     utils.get_total_norm = routed
+
+
+def _refused(stock: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    def clip_grad_norm_(parameters: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        if bound_params(params):
+            raise ShardingError(
+                f"torch.nn.utils.clip_grad_norm_: torch {torch.__version__} has no get_total_norm for hp_lazy to "
+                "route, so the norm would be this rank's shards only; install torch >= 2.6"
+            )
+        return stock(params, *args, **kwargs)
+
+    clip_grad_norm_.__wrapped__ = stock  # type: ignore[attr-defined]
+    return clip_grad_norm_
