@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import Any
 
@@ -109,7 +109,9 @@ def _ddp_over_dp(accelerator: Any, prepared: nn.Module, root: nn.Module) -> nn.M
         return prepared
     handler = getattr(accelerator, "ddp_handler", None)
     kwargs = handler.to_kwargs() if handler is not None else {}
-    return DistributedDataParallel(prepared, process_group=dp.pg, **kwargs)
+    wrapped = DistributedDataParallel(prepared, process_group=dp.pg, **kwargs)
+    accelerator._models[-1] = wrapped  # what accelerate keeps for a model it wrapped itself
+    return wrapped
 
 
 def _no_sync(stock: Callable[..., Any]) -> Callable[..., Any]:
@@ -118,15 +120,9 @@ def _no_sync(stock: Callable[..., Any]) -> Callable[..., Any]:
         root = _owner_root(model)
         if root is None or isinstance(model, DistributedDataParallel):
             return stock(self, model)
-        return _quiet(root)
+        return hp_no_sync(root)
 
     return no_sync
-
-
-@contextlib.contextmanager
-def _quiet(root: nn.Module) -> Iterator[None]:
-    with hp_no_sync(root):
-        yield
 
 
 def _clip_grad_norm(stock: Callable[..., Any]) -> Callable[..., Any]:
