@@ -75,10 +75,9 @@ def activate(
     resolved = load_plan(plan, tp=tp, sequence_parallel=sequence_parallel)
     _set_runtime_options(data_parallel=data_parallel, bucket_cap_mb=bucket_cap_mb)
     cache = Cache(None if cache_dir is None else os.fspath(cache_dir))
-    handle = install(resolved, cache=cache, lower=_lower, bind=_register, runtime=_runtime)
-    when_imported("accelerate.accelerator", _integrate_accelerate)
+    when_imported("accelerate.accelerator", _integrate_accelerate)  # before install: its finder stays first
     when_imported("transformers.trainer", _integrate_trainer)
-    return handle
+    return install(resolved, cache=cache, lower=_lower, bind=_register, runtime=_runtime)
 
 
 def _lower(source: str, module_plan: Any, filename: str) -> Any:
