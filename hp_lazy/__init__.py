@@ -20,6 +20,7 @@ __all__ = [
     "PlanError",
     "ShardingError",
     "activate",
+    "clip_grad_norm_",
     "collective_counter",
     "deactivate",
     "full_grads",
@@ -33,6 +34,7 @@ __all__ = [
 
 _LAZY = {
     "activate": "hp_lazy.api",
+    "clip_grad_norm_": "hp_lazy.api",
     "deactivate": "hp_lazy.api",
     "lower_source": "hp_lazy.lower",
     "parallelize": "hp_lazy.api",

@@ -16,10 +16,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
+from hp_lazy.hook.after import when_imported
 from hp_lazy.hook.api import (
     Handle,
     PlanSpec,
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "activate",
+    "clip_grad_norm_",
     "deactivate",
     "full_grads",
     "full_state_dict",
@@ -80,6 +82,8 @@ def activate(
         return Handle(plan=None)
     resolved = load_plan(plan, tp=tp, sequence_parallel=sequence_parallel, cp=cp, cp_mode=cp_mode)
     cache = Cache(None if cache_dir is None else os.fspath(cache_dir))
+    when_imported("accelerate.accelerator", _integrate_accelerate)  # before install: its finder stays first
+    when_imported("transformers.trainer", _integrate_trainer)
     handle = install(resolved, cache=cache, lower=_lower, bind=_register, runtime=_runtime)
     from hp_lazy.runtime import options
 
@@ -105,6 +109,25 @@ def _runtime() -> ModuleType:
     from hp_lazy.runtime import rt
 
     return rt
+
+
+def _integrate_accelerate(module: ModuleType) -> None:
+    """accelerate (and the transformers Trainer on it): see :mod:`hp_lazy.integrations.accelerate`."""
+    from hp_lazy.integrations import accelerate
+
+    accelerate.install(module, degrees=_active_degrees)
+
+
+def _integrate_trainer(module: ModuleType) -> None:
+    """The Trainer's count of ranks sharing a batch: see :mod:`hp_lazy.integrations.transformers`."""
+    from hp_lazy.integrations import transformers
+
+    transformers.install(module, degrees=_active_degrees)
+
+
+def _active_degrees() -> dict[str, int] | None:
+    plan = active_plan()
+    return None if plan is None else dict(plan.mesh)
 
 
 def mesh() -> Mesh:
@@ -149,6 +172,22 @@ def gather_sequence(tensor: torch.Tensor, dim: int = 1) -> torch.Tensor:
     from hp_lazy.runtime.cp.gather import gather_sequence as gather
 
     return gather(tensor, mesh().group("cp"), dim)
+
+
+def clip_grad_norm_(
+    parameters: torch.Tensor | Iterable[torch.Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` for a parallel model: the total norm (returned) is one
+    process's, every shard counted once over every axis; a collective. After ``parallelize`` the
+    stock ``torch.nn.utils.clip_grad_norm_`` and accelerate's ``clip_grad_norm_`` (the Trainer's)
+    route here for a bound model's parameters."""
+    from hp_lazy.runtime.clip import clip_grad_norm_ as clip
+
+    return clip(parameters, max_norm, norm_type, error_if_nonfinite, foreach)
 
 
 @contextlib.contextmanager

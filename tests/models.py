@@ -14,6 +14,8 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama_tied": ("LlamaConfig", {"tie_word_embeddings": True}),
     # tp=4 > num_key_value_heads=2: each K/V head lives on two ranks
     "llama_gqa": ("LlamaConfig", {"num_key_value_heads": 2}),
+    # tp=2 > num_key_value_heads=1: the K/V head lives on both ranks (its gradient norm counted once)
+    "llama_mqa": ("LlamaConfig", {"num_key_value_heads": 1}),
     "qwen3": ("Qwen3Config", {"head_dim": 8}),
     # tied weights behind a scaled nn.Embedding subclass
     "gemma": ("GemmaConfig", {"head_dim": 8, "tie_word_embeddings": True}),

@@ -24,7 +24,7 @@ from hp_lazy.names import BINDING, BOUND, FORM, GRADS_ATTR, LAYOUT_ATTR
 from hp_lazy.plan.fqn import compile_glob
 from hp_lazy.plan.model import Contract, ModulePlan
 from hp_lazy.plan.placement import Partial, Shard
-from hp_lazy.runtime import inputs, leaves, options, registry
+from hp_lazy.runtime import clip, inputs, leaves, options, registry
 from hp_lazy.runtime.binding import Binding, compile_ops
 from hp_lazy.runtime.cp.style import ContextParallelStyle
 from hp_lazy.runtime.grads import GradOwner, rules_for
@@ -88,6 +88,8 @@ def parallelize(model: nn.Module, *, data_parallel: bool | None = None) -> nn.Mo
     for (_, root, _), mesh in zip(roots, meshes, strict=True):
         inputs.install(root, mesh.group_of(("cp", "tp")))
     model.__dict__[LAYOUT_ATTR] = table
+    clip.register(model)
+    clip.install()  # torch's clip_grad_norm_ on this model's gradients: one process's norm
     for module in model.modules():
         if registry.lowered_for(type(module)) is not None:
             module.__dict__[BOUND] = True

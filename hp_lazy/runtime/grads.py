@@ -232,6 +232,10 @@ class BucketReducer:
     def launches_per_step(self) -> int:
         return len(self.buckets)
 
+    def unreduced(self) -> list[str]:
+        """Parameters holding a contribution not reduced yet (accumulated under ``no_sync``)."""
+        return [entry.fqn for bucket in self.buckets for entry in bucket.entries if entry.in_window]
+
     def check_params(self, root: nn.Module) -> None:
         """One parameter per bucket (FSDP2 may wrap only some layers): a few lookups per forward."""
         for bucket in self.buckets:
@@ -290,6 +294,9 @@ class EagerSums:
 
     launches_per_step = 0
 
+    def unreduced(self) -> list[str]:
+        return []  # the partial sums run inside every backward; dp is DDP's or FSDP2's
+
 
 def _summed(grad: torch.Tensor, rule: GradRule, group: Group) -> torch.Tensor:
     stack = grad.new_zeros((rule.slots, grad.numel()))
@@ -311,6 +318,7 @@ class GradOwner:
         bucket_cap_mb: float = 25.0,
     ) -> None:
         self.rules = dict(rules)
+        self.mesh = mesh
         self.data_parallel = data_parallel
         params = dict(root.named_parameters())
         entries = [_Entry(fqn=fqn, param=params[fqn], rule=rule) for fqn, rule in self.rules.items()]
@@ -337,6 +345,10 @@ class GradOwner:
 
     def describe(self) -> str:
         return "\n".join(f"{fqn}: {rule.describe()}" for fqn, rule in self.rules.items())
+
+    def unreduced(self) -> list[str]:
+        """FQNs whose gradient holds contributions not reduced yet (``no_sync`` accumulation)."""
+        return self.reducer.unreduced()
 
     def check(self, root: nn.Module) -> None:
         """Before a forward: nobody else reduces what this owner reduces (run by the root prologue).
