@@ -186,3 +186,18 @@ def balanced(seq: int = 16) -> dict[str, Any]:
     labels[0, 1:5] = -100
     labels[1, -4:] = -100
     return {"input_ids": ids, "labels": labels}
+
+
+def grad_norm(rank: int, world: int, path: str, data: dict[str, Any]) -> float:
+    """torch's stock clip_grad_norm_ after one backward (the total norm it returns)."""
+    import torch
+
+    from hp_lazy.hook.api import active_plan
+
+    model = load(path)
+    if active_plan() is not None:
+        import hp_lazy
+
+        hp_lazy.parallelize(model)
+    model(**data).loss.backward()
+    return float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9))

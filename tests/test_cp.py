@@ -98,3 +98,11 @@ def test_what_cp_cannot_split_is_refused_by_name(ready, data, expected: str) -> 
     path = models.build("llama_gqa", root)
     got = pool.run(cpwork.error, path, data)
     assert got == [f"ShardingError: LlamaForCausalLM: {expected}"] * 2
+
+
+def test_stock_clip_grad_norm_gives_one_process_norm(ready) -> None:
+    pool, root = ready
+    path = models.build("qwen3", root)
+    data = cpwork.batch("plain")
+    want = cpwork.grad_norm(0, 1, path, data)
+    assert [abs(n - want) / want for n in pool.run(cpwork.grad_norm, path, data)] < [1e-6, 1e-6]
