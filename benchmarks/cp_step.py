@@ -5,9 +5,11 @@ downloaded). For each sequence length, fresh processes run, alternately, ``--rep
 
   one process     plain transformers (SDPA), world 1, ``--world`` intra-op threads (the same cores)
   cp              ``hp_lazy.activate("auto", cp=W)`` on W ranks, 1 thread each: K/V all-gathered,
-                  only local tensors saved, re-gathered in backward (hp_lazy's default)
-  cp, K/V saved   the same, but autograd keeps the gathered K/V of every layer (no re-gather): the
-                  memory the re-gather saves
+                  only local tensors saved, re-gathered in backward (hp_lazy's default; causal
+                  attention by two flash calls per chunk merged by log-sum-exp)
+  cp, K/V saved   the same collectives, but one masked SDPA per layer through plain autograd,
+                  which keeps the gathered K/V of every layer (no re-gather): what the custom
+                  function saves
 
 Every rank passes the same full batch (B=1) with labels. Reported per variant: the median fwd+bwd
 step (the slowest rank's), its ratio to one process, the bytes autograd saves for backward during
@@ -102,12 +104,19 @@ def _keep_gathered() -> None:
     """The 'K/V saved' variant: autograd through the gather (no custom Function)."""
     from hp_lazy.runtime.comm import gather_kv
     from hp_lazy.runtime.cp import attention
+    from hp_lazy.runtime.cp.state import current
 
     def apply(q, k, v, mask, scale, g):
         kg, vg = gather_kv(k, v, g, 2)
         return attention._attend(q, kg, vg, mask, scale)
 
+    def causal(q, k, v, scale, g, zig):
+        state = current()
+        assert state is not None
+        return apply(q, k, v, state.mask(True, None), scale, g)
+
     attention._GatheredAttention.apply = staticmethod(apply)  # type: ignore[method-assign]
+    attention._ZigzagCausal.apply = staticmethod(causal)  # type: ignore[method-assign]
 
 
 def _worker(rank: int, world: int, variant: str, path: str, seq: int, steps: int, port: int, queue: Any) -> None:

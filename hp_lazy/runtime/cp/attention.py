@@ -6,11 +6,21 @@ under GQA only the K/V heads travel), each local query row attends to the gather
 one boolean mask over global token indices (causal, sliding window, packed documents, key padding:
 :meth:`~hp_lazy.runtime.cp.state.CallState.mask`), and the output keeps the local rows.
 
-Memory: the gathered K/V are not kept for backward. :class:`_GatheredAttention` saves the local
-Q, K, V only; its backward gathers K/V again, recomputes the attention and reduce-scatters dK/dV
-(each rank's queries contributed to every rank's keys). Per layer: forward one all-gather of K
-and V together; backward one all-gather and one reduce-scatter (two of each when K and V differ in
-head dim). Activation memory per rank falls as 1/C; the price is one attention forward more.
+Memory: the gathered K/V are not kept for backward; only local tensors are saved, and backward
+gathers K/V again and reduce-scatters dK/dV (each rank's queries contributed to every rank's
+keys). Per layer: forward one all-gather of K and V together; backward one all-gather and one
+reduce-scatter (two of each when K and V differ in head dim). Activation memory per rank falls
+as 1/C. Two kernels:
+
+- plain causal attention on CPU (:class:`_ZigzagCausal`): each local chunk ``i`` attends to the
+  keys of the chunks before it with no mask and to its own chunk with ``is_causal`` (same length,
+  same positions: upper-left alignment is right), two flash-attention calls merged by their
+  log-sum-exp; it saves the local output and log-sum-exp, and backward runs the flash backward of
+  each part with the merged output and log-sum-exp (which gives each part's exact gradient) — no
+  mask is built and nothing is recomputed;
+- everything else (:class:`_GatheredAttention`: sliding windows, packed documents, padding,
+  non-causal layers, CUDA): one SDPA call with a boolean mask over global token indices; it saves
+  the local Q, K, V and recomputes the attention in backward.
 
 Registered under :data:`KEY`, a name transformers' mask code does not know: ``create_causal_mask``
 then returns ``None`` and builds no (wrong, local) mask, and the modeling code's own
@@ -59,6 +69,85 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     if groups > 1:  # transformers' repeat_kv
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+def _expand(t: torch.Tensor, groups: int) -> torch.Tensor:
+    return t.repeat_interleave(groups, dim=1) if groups > 1 else t
+
+
+def _fold(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """The inverse of :func:`_expand` for gradients: sum each K/V head's copies."""
+    if groups == 1:
+        return t
+    b, h, s, d = t.shape
+    return t.view(b, h // groups, groups, s, d).sum(2)
+
+
+def _parts(chunk: int, c: int) -> list[tuple[int, int, bool]]:
+    """(start, end, causal) key ranges (global order) that global query chunk ``chunk`` attends to."""
+    own = (chunk * c, (chunk + 1) * c, True)
+    return [(0, chunk * c, False), own] if chunk else [own]
+
+
+_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+class _ZigzagCausal(torch.autograd.Function):
+    """Causal attention of this rank's two zigzag chunks over the gathered K/V (CPU flash kernel)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale, g, zig):
+        kg, vg = _gather(k, v, g, "forward")
+        groups = q.shape[1] // k.shape[1]
+        keys = _expand(kg.index_select(2, zig.inverse), groups)
+        values = _expand(vg.index_select(2, zig.inverse), groups)
+        c = zig.seq // (2 * zig.size)
+        outs, lses = [], []
+        for half, chunk in enumerate((zig.rank, 2 * zig.size - 1 - zig.rank)):
+            rows = q[:, :, half * c : (half + 1) * c].contiguous()
+            out, lse = None, None
+            for start, end, causal in _parts(chunk, c):
+                o, lse_part = _FLASH(rows, keys[:, :, start:end].contiguous(), values[:, :, start:end].contiguous(),
+                                     0.0, causal, scale=scale)
+                if out is None:
+                    out, lse = o.float(), lse_part
+                    continue
+                merged = torch.logaddexp(lse, lse_part)
+                out = out * (lse - merged).exp().unsqueeze(-1) + o.float() * (lse_part - merged).exp().unsqueeze(-1)
+                lse = merged
+            assert out is not None and lse is not None
+            outs.append(out.to(q.dtype))
+            lses.append(lse)
+        out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.scale, ctx.g, ctx.zig = scale, g, zig
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        zig, scale = ctx.zig, ctx.scale
+        kg, vg = _gather(k, v, ctx.g, "backward")
+        groups = q.shape[1] // k.shape[1]
+        keys = _expand(kg.index_select(2, zig.inverse), groups)
+        values = _expand(vg.index_select(2, zig.inverse), groups)
+        dq, dkeys, dvalues = torch.zeros_like(q), torch.zeros_like(keys), torch.zeros_like(values)
+        c = zig.seq // (2 * zig.size)
+        for half, chunk in enumerate((zig.rank, 2 * zig.size - 1 - zig.rank)):
+            rows = slice(half * c, (half + 1) * c)
+            args = [t[:, :, rows].contiguous() for t in (dout, q, out, lse)]
+            for start, end, causal in _parts(chunk, c):
+                gq, gk, gv = _FLASH_BACKWARD(args[0], args[1], keys[:, :, start:end].contiguous(),
+                                             values[:, :, start:end].contiguous(), args[2], args[3], 0.0, causal,
+                                             scale=scale)
+                dq[:, :, rows] += gq
+                dkeys[:, :, start:end] += gk
+                dvalues[:, :, start:end] += gv
+        dk = _fold(dkeys, groups).index_select(2, zig.gathered)  # back to the all-gather's row order
+        dv = _fold(dvalues, groups).index_select(2, zig.gathered)
+        dk, dv = _scatter(dk, dv, ctx.g)
+        return dq, dk, dv, None, None, None
 
 
 class _GatheredAttention(torch.autograd.Function):
@@ -116,6 +205,10 @@ def cp_attention(
     if kwargs.get("s_aux") is not None:
         raise ShardingError(f"{where}: attention sinks (s_aux) are not supported under context parallel yet")
     causal = bool(getattr(module, "is_causal", True)) if is_causal is None else bool(is_causal)
+    plain = causal and sliding_window is None and state.docs is None and state.key_padding is None
+    if plain and query.device.type == "cpu" and key.shape[-1] == value.shape[-1]:
+        out = _ZigzagCausal.apply(query, key, value, scaling, state.group, state.zig)
+        return out.transpose(1, 2).contiguous(), None
     mask = state.mask(causal, sliding_window)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
         out = _GatheredAttention.apply(query, key, value, mask, scaling, state.group)
