@@ -106,6 +106,8 @@ class _Builder:
                 self._fail(rule, "has no packed_colwise/colwise -> rowwise expert parameters under it to shard")
         if self.vocab_embedding:
             self._implicit_embeddings(rules)
+        if self.inner is not None:
+            self._attention_only(rules)
         self._check_nesting()
         if self.sp:
             self._containers(grouped, boundaries, rules)
@@ -303,6 +305,17 @@ class _Builder:
                 out[field] = sorted(body[field])
         return out
 
+    def _attention_only(self, rules: list[Rule]) -> None:
+        """Context parallel needs its inner op on every attention module, also where the TP plan
+        makes no boundary of it (fused ``qkv_proj`` planned as leaves): a contract with the op alone."""
+        for rule in rules:
+            parent = rule.key.rpartition(".")[0]
+            if not parent or rule.head or rule.prefix + parent in self.bodies:
+                continue
+            names = self.facts.resolve(rule.base, parent)
+            if len(names) == 1 and self._calls_attention(next(iter(names))):
+                self._add(rule.prefix + parent, {"inner": dict(self.inner or {})}, f"{rule.owner} (cp attention)")
+
     def _calls_attention(self, name: str) -> bool:
         """Its forward dispatches through transformers' attention interface (context parallel's call site)."""
         forward = self.facts.forward(name)
@@ -313,6 +326,8 @@ class _Builder:
     def _check_nesting(self) -> None:
         patterns = sorted(self.bodies)
         for outer in patterns:
+            if set(self.bodies[outer][0]) == {"inner"}:
+                continue  # an op-only contract (cp attention) changes no placement inside it
             for inner in patterns:
                 if inner.startswith(outer + ".") and self._contains(outer, inner[len(outer) + 1 :]):
                     raise PlanError(

@@ -84,11 +84,11 @@ class ContextParallelStyle:
             and id(m) not in self.attention
         ]
         if not self.attention or unplanned:
+            missing = f"{unplanned[:3]} do not" if unplanned else "no attention module carries it"
             raise ShardingError(
                 f"{family}: context parallel needs every attention module to carry the plan's cp inner op, but "
-                f"{unplanned[:3] or 'none'} {'do' if unplanned else 'does'} not (planned: "
-                f"{sorted(self.attention.values())[:3]}); add \"inner\": {{\"call\": \"attention\", \"kind\": "
-                "\"cp_allgather_kv\"} to their boundaries, or use Plan.auto(cp=...)"
+                f"{missing} (planned: {sorted(self.attention.values())[:3]}); add \"inner\": {{\"call\": "
+                "\"attention\", \"kind\": \"cp_allgather_kv\"} to their boundaries, or use Plan.auto(cp=...)"
             )
         attention.register()
         if config is None:
