@@ -307,14 +307,21 @@ class _Builder:
 
     def _attention_only(self, rules: list[Rule]) -> None:
         """Context parallel needs its inner op on every attention module, also where the TP plan
-        makes no boundary of it (fused ``qkv_proj`` planned as leaves): a contract with the op alone."""
+        makes no boundary of it (fused ``qkv_proj`` planned as leaves, or a plan naming only the
+        embedding): a contract with the op alone, for the parents of planned keys and for the
+        children of the decoder layers (``layers.*.<child>``) whose forward calls attention."""
+        found: set[tuple[str, str, str]] = set()
         for rule in rules:
             parent = rule.key.rpartition(".")[0]
-            if not parent or rule.head or rule.prefix + parent in self.bodies:
-                continue
-            names = self.facts.resolve(rule.base, parent)
-            if len(names) == 1 and self._calls_attention(next(iter(names))):
-                self._add(rule.prefix + parent, {"inner": dict(self.inner or {})}, f"{rule.owner} (cp attention)")
+            if parent and not rule.head:
+                found.add((rule.base, rule.prefix, parent))
+            for layer in sorted(self.facts.resolve(rule.base, "layers.*")) if not rule.head else ():
+                if layer in self.facts.classes:
+                    found.update((rule.base, rule.prefix, f"layers.*.{child}") for child in self.facts.children(layer))
+        for base, prefix, key in sorted(found):
+            names = self.facts.resolve(base, key)
+            if prefix + key not in self.bodies and len(names) == 1 and self._calls_attention(next(iter(names))):
+                self._add(prefix + key, {"inner": dict(self.inner or {})}, f"{base} (cp attention)")
 
     def _calls_attention(self, name: str) -> bool:
         """Its forward dispatches through transformers' attention interface (context parallel's call site)."""
