@@ -88,7 +88,8 @@ def precheck(family: str) -> Row | None:
     with open(path, encoding="utf-8") as f:
         source = f.read()
     try:
-        contracts = auto_contracts(f"transformers.models.{family}.modeling_{family}", source, tp=2)
+        name = f"transformers.models.{family}.modeling_{family}"
+        contracts = auto_contracts(name, source, tp=1, cp=_cp()) if _cp() > 1 else auto_contracts(name, source, tp=2)
     except PlanError as exc:
         return Row(family, "unsupported", short_plan_error(str(exc)))
     if not contracts:

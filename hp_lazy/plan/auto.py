@@ -46,13 +46,13 @@ EMBEDDING = "torch.nn.Embedding"
 
 def auto_contracts(
     module_name: str, source: str, tp: int = 2, sequence_parallel: bool = False, loss_parallel: bool = False,
-    vocab_parallel_embedding: bool = True,
+    vocab_parallel_embedding: bool = True, cp: int = 1,
 ) -> tuple[Contract, ...] | None:
     """Contracts for one ``transformers.models.<x>.modeling_<x>`` module, or None when the module
     is not such a module or its configs declare no ``base_model_tp_plan``."""
     flags = AutoFlags(
         tp=tp, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
-        vocab_parallel_embedding=vocab_parallel_embedding,
+        vocab_parallel_embedding=vocab_parallel_embedding, cp=cp,
     )
     parts = auto_parts(module_name, source, flags)
     return None if parts is None else parts[0]
@@ -86,6 +86,11 @@ class _Builder:
         self.bodies: dict[str, tuple[dict, str]] = {}
 
     def build(self, rules: list[Rule]) -> tuple[Contract, ...]:
+        if self.mesh["tp"] == 1 and self.inner is not None:
+            # context parallel alone shards nothing over tp: the TP plan only locates the attention
+            # modules, and strings Plan.auto cannot translate for tp do not matter
+            self._attention_only(rules)
+            return tuple(contract_from_dict(p, body, self.mesh) for p, (body, _) in sorted(self.bodies.items()))
         for rule in rules:
             if not isinstance(rule.style, str) or rule.style not in SUPPORTED:
                 self._fail(rule, "is not a style Plan.auto translates (it handles colwise/packed_colwise -> "
