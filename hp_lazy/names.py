@@ -39,5 +39,8 @@ LEAF_INPUTS = "_hp_inputs"
 VOCAB_RANGE = "_hp_vocab"
 """Vocab-parallel embedding: the ``[start, end)`` rows it holds."""
 
+OPTIM_ADOPTED = "_hp_adopted"
+"""Optimizer ``__dict__`` key: whether its state dict presents hp_lazy shards (set at its first step)."""
+
 GENERATED: frozenset[str] = frozenset({RT, INFO, BINDING, FORM, OUT, CALL})
-ATTACHED: frozenset[str] = frozenset({BOUND, LAYOUT_ATTR, GRADS_ATTR, LEAF_INPUTS, VOCAB_RANGE})
+ATTACHED: frozenset[str] = frozenset({BOUND, LAYOUT_ATTR, GRADS_ATTR, LEAF_INPUTS, VOCAB_RANGE, OPTIM_ADOPTED})

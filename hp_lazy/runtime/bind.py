@@ -76,6 +76,9 @@ def parallelize(model: nn.Module, *, data_parallel: bool | None = None) -> nn.Mo
         partial.update({names[pid]: rule for pid, rule in ctx.partial.items() if pid in names})
     _own_gradients(model, ctx.mesh, partial, data_parallel)
     model.__dict__[LAYOUT_ATTR] = table
+    from hp_lazy.runtime.checkpoint import hooks as checkpoint  # DTensor is imported only when a model binds
+
+    checkpoint.install(model, table, ctx.mesh)
     for module in model.modules():
         if registry.lowered_for(type(module)) is not None:
             module.__dict__[BOUND] = True
