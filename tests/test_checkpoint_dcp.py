@@ -6,7 +6,7 @@ Every run trains on one global batch of 4 rows (each dp rank its rows): 3 steps,
 reference. A resume loads a fresh model and a fresh optimizer (at another layout: fresh worker
 processes, so the modeling code is lowered for that plan) and runs the last 3 steps. World 4 with AdamW
 (K/V heads kept on two ranks each at tp=4: ``llama_gqa``): dp2 x tp2 -> the same, -> tp4 (which saves
-again) -> dp4 x tp1 from that, and a plain process without hp_lazy reads the first. World 2 with SGD +
+again), and a plain process without hp_lazy resumes from either. World 2 with SGD +
 momentum (tight bound): tp2 -> the same, -> dp2 x tp1; and the negative control, the old face (plain
 local shards) that DCP took for replicas.
 """
@@ -123,21 +123,25 @@ def _errors(got: dict, ref: dict) -> float:
     return max(models.rel_err(got[k], v) for k, v in ref.items())
 
 
-def _fresh(pool: DistPool, tp: int) -> DistPool:
-    """New worker processes with ``tp``'s plan (a lowered module keeps the plan it was lowered for)."""
-    pool.close()
-    return parity.activated(pool, tp=tp)
+def _at(pool: DistPool, tp: int) -> DistPool:
+    """``pool`` under ``Plan.auto(tp=tp)``: new worker processes when it ran another plan (a lowered
+    module keeps the plan it was lowered for)."""
+    if getattr(pool, "_ckpt_tp", tp) != tp:
+        pool.close()
+    parity.activated(pool, tp=tp)  # once per set of workers
+    pool._ckpt_tp = tp  # type: ignore[attr-defined]
+    return pool
 
 
-def test_adamw_resumes_at_four_layouts(pool4: DistPool, refs, tmp_path) -> None:
+def test_adamw_resumes_at_other_layouts(pool4: DistPool, refs, tmp_path) -> None:
     path, _ = refs("llama_gqa")
     first, again = str(tmp_path / "dp2tp2"), str(tmp_path / "tp4")
-    ref = parity.activated(pool4, tp=2).run(_train_and_save, path, "adamw", first)[0]
+    ref = _at(pool4, 2).run(_train_and_save, path, "adamw", first)[0]
     errors = {"dp2xtp2 -> same": _errors(pool4.run(_resume, path, "adamw", first, "dsd")[0], ref)}
     errors["dp2xtp2 -> tp4 (K/V kept on 2 ranks)"] = _errors(
-        _fresh(pool4, 4).run(_resume, path, "adamw", first, "plain", again)[0], ref)
-    errors["tp4 -> dp4xtp1"] = _errors(_fresh(pool4, 1).run(_resume, path, "adamw", again, "dsd")[0], ref)
+        _at(pool4, 4).run(_resume, path, "adamw", first, "plain", again)[0], ref)
     errors["dp2xtp2 -> one plain process"] = _errors(_resume_plain(path, "adamw", first), ref)
+    errors["tp4 -> one plain process"] = _errors(_resume_plain(path, "adamw", again), ref)
     print("AdamW resume errors:", errors)
     assert errors.pop("dp2xtp2 -> same") <= SAME
     assert max(errors.values()) <= OTHER["adamw"], errors
@@ -146,9 +150,9 @@ def test_adamw_resumes_at_four_layouts(pool4: DistPool, refs, tmp_path) -> None:
 def test_sgd_resumes_exactly(pool2: DistPool, refs, tmp_path) -> None:
     path, _ = refs("llama")
     ckpt = str(tmp_path / "tp2")
-    ref = parity.activated(pool2, tp=2).run(_train_and_save, path, "sgd", ckpt)[0]
+    ref = _at(pool2, 2).run(_train_and_save, path, "sgd", ckpt)[0]
     errors = {"tp2 -> same": _errors(pool2.run(_resume, path, "sgd", ckpt, "plain")[0], ref)}
-    errors["tp2 -> dp2xtp1"] = _errors(_fresh(pool2, 1).run(_resume, path, "sgd", ckpt, "dsd")[0], ref)
+    errors["tp2 -> dp2xtp1"] = _errors(_at(pool2, 1).run(_resume, path, "sgd", ckpt, "dsd")[0], ref)
     print("SGD resume errors:", errors)
     assert errors["tp2 -> same"] <= SAME and errors["tp2 -> dp2xtp1"] <= OTHER["sgd"], errors
 
@@ -187,16 +191,17 @@ def _shards_after_load(rank: int, world: int, path: str, root: str) -> dict:
     fresh.load_state_dict(full)
     out["full"] = {n: p.detach().clone() for n, p in fresh.named_parameters()}
     key = "model.layers.0.self_attn.q_proj.weight"
-    try:
-        fresh.load_state_dict({**full, key: mine[key]})
-    except ShardingError as error:
-        out["local_refused"] = str(error)
+    for what, value in (("local_refused", mine[key]), ("shape_refused", torch.zeros(3, 3))):
+        try:
+            fresh.load_state_dict({**full, key: value})
+        except ShardingError as error:
+            out[what] = str(error)
     return out
 
 
 def test_shards_load_into_their_own_rank(pool2: DistPool, refs, tmp_path) -> None:
     path, _ = refs("llama")
-    got = parity.activated(pool2, tp=2).run(_shards_after_load, path, str(tmp_path))
+    got = _at(pool2, 2).run(_shards_after_load, path, str(tmp_path))
     key = "model.layers.0.self_attn.q_proj.weight"
     # negative control: DCP took the plain shards for replicas, wrote one rank's and gave it to both
     assert torch.equal(got[0]["old"][key], got[1]["old"][key])
@@ -210,6 +215,10 @@ def test_shards_load_into_their_own_rank(pool2: DistPool, refs, tmp_path) -> Non
             f"{key}: the tensor has the shape of one rank's shard [16, 32] (S(0) of [32, 32]), and which rank's "
             "shard it is cannot be known; load the full tensor or the DTensors model.state_dict() gives "
             "(torch.distributed.checkpoint)"
+        )
+        assert got[rank]["shape_refused"] == (
+            f"{key}: the tensor has shape [3, 3], but the parameter's full shape is [32, 32] (this rank holds "
+            "[16, 32]); load a checkpoint of this model"
         )
 
 
@@ -231,7 +240,7 @@ def test_packed_experts_save_as_full_tensors(pool2: DistPool, refs, tmp_path) ->
 
     path, _ = refs("qwen3_moe")
     ckpt = str(tmp_path / "moe")
-    full = parity.activated(pool2, tp=2).run(_packed_save, path, ckpt)[0]
+    full = _at(pool2, 2).run(_packed_save, path, ckpt)[0]
     plain = parity._load(path).state_dict()
     dcp.load(plain, checkpoint_id=ckpt, no_dist=True)
     packed = [k for k in full if "gate_up" in k]

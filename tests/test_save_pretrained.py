@@ -1,7 +1,7 @@
 """``model.save_pretrained(d)`` on every rank of a parallel model, with no extra argument, writes the
 standard full checkpoint: a plain process loads every tensor equal to ``hp_lazy.full_state_dict``,
 and the files (sharded by ``max_shard_size``, with their index) are named as transformers names the
-plain model's. tp=2 (Llama, and Qwen3-MoE's packed experts) and tp=2 with sequence parallel."""
+plain model's. tp=2 (Llama, Gemma's tied embedding, Qwen3-MoE's packed experts) and tp=2 with sequence parallel."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def _check(pool: DistPool, path: str, out: str, plain_out: str) -> None:
         assert json.load(mine)["weight_map"] == json.load(plain)["weight_map"]
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3_moe"])
+@pytest.mark.parametrize("name", ["llama", "gemma", "qwen3_moe"])
 def test_tp(pool2: DistPool, refs, tmp_path, name: str) -> None:
     path, _ = refs(name)
     _check(parity.activated(pool2, tp=2), path, str(tmp_path / "tp"), str(tmp_path / "plain"))

@@ -133,11 +133,18 @@ class _Saver:
         *, save_on_this_rank: bool = True,
     ) -> dict[str, Any]:
         out: dict[str, Any] = {}
+        tied: dict[tuple[int, int, tuple[int, ...]], torch.Tensor | None] = {}
         for key in list(state_dict):
             value = state_dict.pop(key)  # the shard's DTensor is dropped as its full tensor appears
             if isinstance(value, DTensor):
-                value = value.full_tensor()  # every rank, in state-dict order
-                self.gathered = True
+                local = value._local_tensor
+                alias = (local.untyped_storage().data_ptr(), int(local.storage_offset()), tuple(local.shape))
+                if alias in tied:  # tied weights stay one tensor (transformers drops the alias)
+                    value = tied[alias]
+                else:
+                    value = value.full_tensor()  # every rank, in state-dict order
+                    tied[alias] = value if save_on_this_rank else None
+                    self.gathered = True
             if save_on_this_rank:
                 out[key] = value.detach().cpu().contiguous() if isinstance(value, torch.Tensor) else value
         return out
