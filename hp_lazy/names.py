@@ -39,8 +39,13 @@ LEAF_INPUTS = "_hp_inputs"
 VOCAB_RANGE = "_hp_vocab"
 """Vocab-parallel embedding: the ``[start, end)`` rows it holds."""
 
+LAID_OUT = "_hp_laid_out"
+"""Model ``__dict__`` key: laid out and bound before its weights were read (shard-on-read), waiting
+for its gradient owner (:func:`hp_lazy.runtime.bind.parallelize`)."""
 OPTIM_ADOPTED = "_hp_adopted"
 """Optimizer ``__dict__`` key: whether its state dict presents hp_lazy shards (set at its first step)."""
 
 GENERATED: frozenset[str] = frozenset({RT, INFO, BINDING, FORM, OUT, CALL})
-ATTACHED: frozenset[str] = frozenset({BOUND, LAYOUT_ATTR, GRADS_ATTR, LEAF_INPUTS, VOCAB_RANGE, OPTIM_ADOPTED})
+ATTACHED: frozenset[str] = frozenset(
+    {BOUND, LAYOUT_ATTR, GRADS_ATTR, LEAF_INPUTS, VOCAB_RANGE, OPTIM_ADOPTED, LAID_OUT}
+)
