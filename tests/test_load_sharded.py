@@ -68,3 +68,23 @@ def test_dtype_and_a_checkpoint_in_several_files(pool2: DistPool, refs, tmp_path
     sharded = str(tmp_path / "sharded")
     parity._load(path).save_pretrained(sharded, max_shard_size="40KB")
     _check(parity.activated(pool2, tp=2).run(_loaded, sharded, "bfloat16"), sharded, "bfloat16")
+
+
+def _inner_first(rank: int, world: int, path: str) -> str:
+    import hp_lazy
+    from hp_lazy.errors import ShardingError
+
+    model = parity._load(path)
+    try:
+        hp_lazy.parallelize(model.model)
+    except ShardingError as error:
+        return str(error)
+    return "not refused"
+
+
+def test_binding_a_submodule_of_a_model_laid_out_on_load_is_refused(pool2: DistPool, refs) -> None:
+    path, _ = refs("llama")
+    assert parity.activated(pool2, tp=2).run(_inner_first, path) == [
+        "LlamaModel: from_pretrained laid this module out as part of LlamaForCausalLM (its parameters are "
+        "already this rank's shards); call parallelize on that top-level model"
+    ] * 2
