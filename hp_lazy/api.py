@@ -101,8 +101,10 @@ def _lower(source: str, module_plan: Any, filename: str) -> Any:
 
 def _register(module_name: str, module_plan: Any, source_sha256: str) -> None:
     from hp_lazy.runtime import registry
+    from hp_lazy.runtime.checkpoint import load
 
     registry.register(module_name, module_plan, source_sha256)
+    load.patch_transformers(module_name)  # from_pretrained reads each rank's slices (shard-on-read)
 
 
 def _runtime() -> ModuleType:

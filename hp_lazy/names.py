@@ -45,7 +45,13 @@ INPUT_CHECK = "_hp_input_check"
 PATCHED = "_hp_patched"
 """Class attribute on a training stack's class hp_lazy routed (accelerate's ``Accelerator``)."""
 
+LAID_OUT = "_hp_laid_out"
+"""Model ``__dict__`` key: laid out and bound before its weights were read (shard-on-read), waiting
+for its gradient owner (:func:`hp_lazy.runtime.bind.parallelize`)."""
+OPTIM_ADOPTED = "_hp_adopted"
+"""Optimizer ``__dict__`` key: whether its state dict presents hp_lazy shards (set at its first step)."""
+
 GENERATED: frozenset[str] = frozenset({RT, INFO, BINDING, FORM, OUT, CALL})
 ATTACHED: frozenset[str] = frozenset(
-    {BOUND, LAYOUT_ATTR, GRADS_ATTR, LEAF_INPUTS, VOCAB_RANGE, INPUT_CHECK, CP_ENTRY, PATCHED}
+    {BOUND, LAYOUT_ATTR, GRADS_ATTR, LEAF_INPUTS, VOCAB_RANGE, INPUT_CHECK, CP_ENTRY, PATCHED, OPTIM_ADOPTED, LAID_OUT}
 )

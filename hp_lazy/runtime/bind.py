@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
 from torch import nn
 
 from hp_lazy.errors import ShardingError
-from hp_lazy.names import BINDING, BOUND, FORM, GRADS_ATTR, LAYOUT_ATTR
+from hp_lazy.names import BINDING, BOUND, FORM, GRADS_ATTR, LAID_OUT, LAYOUT_ATTR
 from hp_lazy.plan.fqn import compile_glob
 from hp_lazy.plan.model import Contract, ModulePlan
 from hp_lazy.plan.placement import Partial, Shard
@@ -28,7 +29,7 @@ from hp_lazy.runtime import clip, inputs, leaves, options, registry
 from hp_lazy.runtime.binding import Binding, compile_ops
 from hp_lazy.runtime.cp.style import ContextParallelStyle
 from hp_lazy.runtime.grads import GradOwner, rules_for
-from hp_lazy.runtime.layout import LayoutTable, plan_layout, shard_in_place
+from hp_lazy.runtime.layout import LayoutTable, ParamLayout, plan_layout, shard_in_place
 from hp_lazy.runtime.mesh import Mesh, get_mesh
 from hp_lazy.runtime.sp.stack import install_stack
 from hp_lazy.runtime.style import (
@@ -51,17 +52,54 @@ def parallelize(model: nn.Module, *, data_parallel: bool | None = None) -> nn.Mo
     an owner; idempotent.
 
     Call it before building DDP/FSDP or an optimizer that inspects shapes; otherwise the first
-    forward of a lowered model does it. ``data_parallel`` overrides ``activate``'s.
+    forward of a lowered model does it. ``data_parallel`` overrides ``activate``'s. A model that
+    ``from_pretrained`` loaded shard on read was laid out and bound before its weights were read
+    (:func:`bind_layout`); this call only gives it its gradient owner and state-dict face.
     """
     if model.__dict__.get(BOUND):
         return model
-    bound_inside = [name for name, m in model.named_modules() if name and m.__dict__.get(BOUND)]
-    if bound_inside:
+    _refuse_bound_inside(model)
+    laid_out = model.__dict__.pop(LAID_OUT, None)
+    if laid_out is None:
+        laid_out = bind_layout(model)
+    elif not isinstance(laid_out, LaidOut):
         raise ShardingError(
-            f"{type(model).__qualname__}: its submodule {bound_inside[0]!r} was bound by an earlier "
-            "hp_lazy.parallelize call, so its parameters already have a gradient owner; call parallelize "
-            "once, on the top-level model (the one whose forward you call)"
+            f"{type(model).__qualname__}: from_pretrained laid this module out as part of {laid_out} (its "
+            "parameters are already this rank's shards); call parallelize on that top-level model"
         )
+    else:
+        _check_after_load(model, laid_out.table)
+    _own_gradients(model, laid_out.mesh, laid_out.partial, data_parallel)
+    for root in laid_out.roots:
+        inputs.install(root, laid_out.mesh.group_of(("cp", "tp")))
+    model.__dict__[LAYOUT_ATTR] = laid_out.table
+    clip.register(model)
+    clip.install()  # torch's clip_grad_norm_ on this model's gradients: one process's norm
+    from hp_lazy.runtime.checkpoint import hooks as checkpoint  # DTensor is imported only when a model binds
+
+    checkpoint.install(model, laid_out.table, laid_out.mesh)
+    for module in model.modules():
+        if registry.lowered_for(type(module)) is not None:
+            module.__dict__[BOUND] = True
+    model.__dict__[BOUND] = True
+    return model
+
+
+@dataclass(frozen=True)
+class LaidOut:
+    """What binding decided before the gradient owner exists (names only, no Parameter objects)."""
+
+    table: LayoutTable | None
+    mesh: Mesh
+    partial: dict[str, tuple[str, int, int]]
+    roots: tuple[nn.Module, ...] = ()
+    """The outermost lowered roots (each gets the tp group's input check)."""
+
+
+def bind_layout(model: nn.Module) -> LaidOut:
+    """Lay out, shard in place and bind every boundary of ``model`` (a meta model too), without
+    the gradient owner, which holds the Parameter objects (loading replaces them)."""
+    _refuse_bound_inside(model)
     roots = list(_outermost_roots(model))
     if not roots:
         raise ShardingError(
@@ -84,17 +122,27 @@ def parallelize(model: nn.Module, *, data_parallel: bool | None = None) -> nn.Mo
     for prefix, ctx in contexts:
         table = _merge_table(table, ctx, prefix)
         partial.update({names[pid]: rule for pid, rule in ctx.partial.items() if pid in names})
-    _own_gradients(model, meshes[0], partial, data_parallel)
-    for (_, root, _), mesh in zip(roots, meshes, strict=True):
-        inputs.install(root, mesh.group_of(("cp", "tp")))
-    model.__dict__[LAYOUT_ATTR] = table
-    clip.register(model)
-    clip.install()  # torch's clip_grad_norm_ on this model's gradients: one process's norm
-    for module in model.modules():
-        if registry.lowered_for(type(module)) is not None:
-            module.__dict__[BOUND] = True
-    model.__dict__[BOUND] = True
-    return model
+    return LaidOut(table=table, mesh=meshes[0], partial=partial, roots=tuple(root for _, root, _ in roots))
+
+
+def lay_out_before_load(model: nn.Module) -> LaidOut:
+    """:func:`bind_layout` now, the rest at :func:`parallelize` (from_pretrained's shard-on-read);
+    the lowered modules inside remember whose layout they are part of."""
+    laid_out = model.__dict__[LAID_OUT] = bind_layout(model)
+    for name, module in model.named_modules():
+        if name and registry.lowered_for(type(module)) is not None:
+            module.__dict__[LAID_OUT] = type(model).__qualname__
+    return laid_out
+
+
+def _refuse_bound_inside(model: nn.Module) -> None:
+    bound_inside = [name for name, m in model.named_modules() if name and m.__dict__.get(BOUND)]
+    if bound_inside:
+        raise ShardingError(
+            f"{type(model).__qualname__}: its submodule {bound_inside[0]!r} was bound by an earlier "
+            "hp_lazy.parallelize call, so its parameters already have a gradient owner; call parallelize "
+            "once, on the top-level model (the one whose forward you call)"
+        )
 
 
 def _merge_table(table: LayoutTable | None, ctx: BindContext, prefix: str) -> LayoutTable:
@@ -331,12 +379,40 @@ def _check_shards_covered(ctx: BindContext) -> None:
         for pname, param in module.named_parameters(recurse=False):
             layout = ctx.by_param.get(id(param))
             if layout is not None:
-                where = f"{name}.{pname}" if name else pname
-                raise ShardingError(
-                    f"{where}: this parameter is tied to {layout.fqn}, which the plan shards {layout.describe()}, "
-                    f"but {name or type(ctx.root).__name__} has no contract; give it one (vocab-parallel embedding: "
-                    "Plan.auto(vocab_parallel_embedding=True)) or untie the weights"
-                )
+                raise _tied_to_a_shard(f"{name}.{pname}" if name else pname, layout, name or type(ctx.root).__name__)
+
+
+def _tied_to_a_shard(where: str, layout: ParamLayout, module: str) -> ShardingError:
+    return ShardingError(
+        f"{where}: this parameter is tied to {layout.fqn}, which the plan shards {layout.describe()}, "
+        f"but {module} has no contract; give it one (vocab-parallel embedding: "
+        "Plan.auto(vocab_parallel_embedding=True)) or untie the weights"
+    )
+
+
+def _check_after_load(model: nn.Module, table: LayoutTable | None) -> None:
+    """A model laid out before its weights were read: loading ties weights afterwards (transformers'
+    ``tie_weights``), so check again that every planned name holds its shard and that no parameter
+    is both planned and not."""
+    names: dict[int, list[str]] = {}
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for name, param in params.items():
+        names.setdefault(id(param), []).append(name)
+    for group in names.values():
+        planned = [n for n in group if table is not None and n in table]
+        if not planned or table is None:
+            continue
+        layout = table.get(planned[0])
+        assert layout is not None
+        plain = [n for n in group if n not in planned]
+        if plain:
+            raise _tied_to_a_shard(plain[0], layout, plain[0].rpartition(".")[0] or type(model).__name__)
+        if tuple(params[planned[0]].shape) != layout.local_shape:
+            raise ShardingError(
+                f"{planned[0]}: after loading, the parameter has shape {list(params[planned[0]].shape)}, but its "
+                f"layout holds {list(layout.local_shape)} ({layout.describe()} of {list(layout.full_shape)}); "
+                "do not replace parameters between from_pretrained and the first forward"
+            )
 
 
 def _agree(

@@ -3,8 +3,8 @@
 Both helpers are collectives: every rank of the model's groups must call them. They read the
 layout table of every bound root inside ``model`` (``model`` itself, or wrapped in DDP, where the
 names carry DDP's ``module.`` prefix); a tensor FSDP2 holds as a DTensor is gathered over its own
-mesh first. ``model.save_pretrained(path, state_dict=hp_lazy.full_state_dict(model))`` on rank 0
-writes a checkpoint the plain model loads.
+mesh first. (``model.save_pretrained(path)`` on every rank writes a checkpoint the plain model
+loads: :mod:`hp_lazy.runtime.checkpoint`.)
 """
 
 from __future__ import annotations
@@ -38,8 +38,12 @@ def _full(tensor: torch.Tensor, layout: ParamLayout | None, table: LayoutTable |
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """``model.state_dict()`` with every sharded parameter gathered to its full shape."""
+    from hp_lazy.runtime.checkpoint.hooks import local_shards  # imported once a model is bound
+
     layouts, table = _layouts(model)
-    return {name: _full(t, layouts.get(name), table) for name, t in model.state_dict().items()}
+    with local_shards():
+        local = model.state_dict()
+    return {name: _full(t, layouts.get(name), table) for name, t in local.items()}
 
 
 def full_grads(model: nn.Module) -> dict[str, torch.Tensor]:

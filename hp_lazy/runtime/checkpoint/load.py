@@ -1,0 +1,115 @@
+"""Shard-on-read: ``from_pretrained`` of a lowered model reads only this rank's slice of every
+planned parameter, through transformers' own tp loader.
+
+transformers builds the model on the meta device, then ``PreTrainedModel._load_pretrained_model``
+opens the safetensors files lazily (``get_slice``) and, for a parameter that is a DTensor, reads only
+the local slice of it (``DtensorShardOperation``: contiguous, strided for packed blocks, per expert)
+and installs it as a DTensor Parameter. hp_lazy wraps that one static method: before it runs, the
+meta model is laid out and bound (:func:`~hp_lazy.runtime.bind.lay_out_before_load`; parameters
+shrink to their local shapes, still on meta) and every planned parameter is presented as a meta
+DTensor of its full shape (:mod:`.present`); after it, every DTensor Parameter is replaced by a
+plain Parameter of its local tensor, in a storage of its own (a slice of a memory-mapped file can be
+a view of the whole tensor's mapping: it is copied).
+Missing keys, initialisation and weight tying then run as usual on local shapes; the first forward
+(or ``hp_lazy.parallelize``) adds the gradient owner.
+
+Left to the old path (full load, shard at the first forward): a state dict passed in, ``.bin``
+checkpoints (their tensors are read whole), quantizers, and a ``device_map`` (its placement is
+transformers'; with tp each rank's device is ``LOCAL_RANK``'s, set before loading).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from typing import Any
+
+import torch
+from torch import nn
+
+from hp_lazy.runtime import registry
+
+_PATCHED: list[Any] = []
+
+
+def patch_transformers(lowering: str) -> None:
+    """Wrap ``PreTrainedModel._load_pretrained_model`` once, when a transformers modeling module is
+    about to be lowered (it is going to import ``transformers.modeling_utils`` itself)."""
+    if _PATCHED or not lowering.startswith("transformers."):
+        return
+    modeling_utils = importlib.import_module("transformers.modeling_utils")
+    cls = modeling_utils.PreTrainedModel
+    original = cls.__dict__.get("_load_pretrained_model")
+    if not isinstance(original, staticmethod):
+        return  # another transformers: keep the full load (then shard), which is always right
+    load = original.__func__
+
+    @functools.wraps(load)
+    def _load_pretrained_model(model: Any, state_dict: Any, checkpoint_files: Any, load_config: Any, *args: Any,
+                               **kwargs: Any) -> Any:
+        if not _shard_on_read(model, state_dict, checkpoint_files, load_config):
+            return load(model, state_dict, checkpoint_files, load_config, *args, **kwargs)
+        _present_meta(model)
+        try:
+            return load(model, state_dict, checkpoint_files, load_config, *args, **kwargs)
+        finally:
+            _to_local(model)
+
+    cls._load_pretrained_model = staticmethod(_load_pretrained_model)
+    _PATCHED.append(original)
+
+
+def _shard_on_read(model: nn.Module, state_dict: Any, files: Any, load_config: Any) -> bool:
+    if state_dict is not None or not files or not all(str(f).endswith(".safetensors") for f in files):
+        return False
+    if getattr(load_config, "hf_quantizer", None) is not None or getattr(load_config, "device_map", None):
+        return False
+    plans = [found[0].plan for m in model.modules() if (found := registry.lowered_for(type(m))) is not None]
+    if not any(degree > 1 for plan in plans for degree in dict(plan.mesh).values()):
+        return False  # nothing is cut (data parallel alone): the plain load is the sharded one
+    return any(p.is_meta for p in model.parameters())
+
+
+def _present_meta(model: nn.Module) -> None:
+    from hp_lazy.runtime.bind import lay_out_before_load
+    from hp_lazy.runtime.checkpoint.present import Presentation
+
+    laid_out = lay_out_before_load(model)  # a collective (ranks agree, sub-meshes)
+    if laid_out.table is None or not any(True for _ in laid_out.table):
+        return
+    presentation = Presentation(laid_out.table, laid_out.mesh)
+    faces: dict[int, nn.Parameter] = {}
+    for name, param in list(model.named_parameters(remove_duplicate=False)):
+        if name not in laid_out.table:
+            continue
+        face = faces.get(id(param))
+        if face is None:  # tied weights: one face for the one parameter
+            face = faces[id(param)] = nn.Parameter(presentation.present(name, param.data), param.requires_grad)
+        _set(model, name, face)
+
+
+def _to_local(model: nn.Module) -> None:
+    from torch.distributed.tensor import DTensor
+
+    plain: dict[int, nn.Parameter] = {}
+    for name, param in list(model.named_parameters(remove_duplicate=False)):
+        if not isinstance(param, DTensor):
+            continue
+        local = plain.get(id(param))
+        if local is None:
+            local = plain[id(param)] = nn.Parameter(_own_storage(param.to_local().detach()), param.requires_grad)
+            if getattr(param, "_is_hf_initialized", False):
+                local._is_hf_initialized = True  # type: ignore[attr-defined]  # read: not initialised again
+        _set(model, name, local)
+
+
+def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
+    """A slice read from a memory-mapped file may be a view of the whole tensor's mapping: copy it."""
+    if tensor.is_meta or tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size():
+        return tensor
+    return tensor.clone(memory_format=torch.contiguous_format)
+
+
+def _set(model: nn.Module, name: str, param: nn.Parameter) -> None:
+    owner, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(owner) if owner else model, leaf, param)

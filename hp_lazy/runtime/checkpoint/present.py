@@ -1,0 +1,247 @@
+"""Layouts as DTensors, at the state-dict boundary only.
+
+A bound model computes on plain local shards; torch's checkpointing (``torch.distributed.checkpoint``,
+``get_state_dict``/``set_state_dict``) and transformers' saving understand sharding only through
+DTensors. :class:`Presentation` turns a shard and its layout (:mod:`hp_lazy.runtime.layout`) into a
+DTensor that aliases the shard's storage (so ``dcp.load`` into it writes the parameter itself), and
+turns what a caller hands back into this rank's shard. Layouts, on the mesh's ``tp`` dim::
+
+    S(d)                   Shard(d)
+    SS(d,k)  (packed)      _StridedShard(d, split_factor=k); DCP sees the k blocks as k chunks
+    S(d), kept on m ranks  Shard(d) on a tp sub-mesh of n/m pieces x m copies (K/V heads)
+
+Every other mesh dim is ``Replicate``. Refused, naming the tensor: a parameter cut on more than one
+axis or on an axis outside the device mesh (``ep``), a packed piece kept on several ranks, and an
+optimizer state that is not shaped like its parameter's shard. Accepted on load: a DTensor laid out
+exactly as this rank's shard, or the full tensor (sliced here); a tensor of the shard's shape is
+refused (which rank's shard it is cannot be known; the old silent case).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import Shard as DShard
+from torch.distributed.tensor.placement_types import Placement as DPlacement
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from hp_lazy.errors import ShardingError
+from hp_lazy.runtime.layout import AxisShard, LayoutTable, ParamLayout
+from hp_lazy.runtime.mesh import Mesh
+
+_SUB_MESHES: dict[tuple[int, int], Any] = {}
+"""(id of the root device mesh, copies) -> its tp dim split into pieces x copies (built once)."""
+
+
+def _fix(what: str) -> str:
+    return (
+        f"save it with hp_lazy.full_state_dict(model) (full tensors) instead of {what}, or leave the "
+        "parameter out of the plan"
+    )
+
+
+class Presentation:
+    """The DTensor face of one bound model's layout table (names relative to that model)."""
+
+    def __init__(self, table: LayoutTable, mesh: Mesh) -> None:
+        if mesh.device_mesh is None:
+            raise ShardingError("hp_lazy checkpoint: a sharded model without a device mesh; this is a bug")
+        self.table = table
+        self.mesh = mesh
+        self.device_mesh = mesh.device_mesh
+        self._specs: dict[str, tuple[Any, tuple[DPlacement, ...], AxisShard]] = {}
+        copies = sorted({cut.replicas for fqn in table for cut in _cuts(table, fqn) if cut.replicas > 1})
+        for m in copies:  # a collective the first time: every rank binds the same table
+            self._sub_mesh(m)
+
+    # -- save side
+
+    def present(self, fqn: str, local: torch.Tensor, what: str = "") -> DTensor:
+        """``local`` (this rank's shard of ``fqn``, or an optimizer state shaped like it) as a DTensor."""
+        layout = self._layout(fqn)
+        if tuple(local.shape) != layout.local_shape:
+            raise ShardingError(
+                f"{fqn}: {what or 'the tensor'} has shape {list(local.shape)}, but the parameter's shard is "
+                f"{list(layout.local_shape)} ({layout.describe()} of {list(layout.full_shape)}); hp_lazy presents "
+                "only tensors shaped like the shard to torch.distributed.checkpoint; " + _fix("DCP")
+            )
+        device_mesh, placements, cut = self._spec(fqn)
+        full = torch.Size(layout.full_shape)
+        out = DTensor.from_local(
+            local, device_mesh, placements, run_check=False, shape=full, stride=_contiguous_strides(full)
+        )
+        if cut.blocks > 1:
+            _chunk_protocol(out, fqn, layout, cut)
+        return out
+
+    # -- load side
+
+    def accept(self, fqn: str, value: Any, what: str = "") -> torch.Tensor:
+        """This rank's shard of ``fqn`` from what a caller loads: our DTensor or the full tensor."""
+        layout = self._layout(fqn)
+        name = what or "the tensor"
+        if isinstance(value, DTensor):
+            if tuple(value.shape) == layout.full_shape and _chunks(value) == self.chunks(fqn):
+                return value.to_local()
+            raise ShardingError(
+                f"{fqn}: {name} is a DTensor of shape {list(value.shape)} placed {list(value.placements)} on "
+                f"{value.device_mesh}, which is not this rank's shard ({layout.describe()} of "
+                f"{list(layout.full_shape)}); load through torch.distributed.checkpoint (dcp.load into "
+                "model.state_dict() / get_state_dict), which reshards, or pass full tensors"
+            )
+        if not isinstance(value, torch.Tensor):
+            raise ShardingError(f"{fqn}: {name} is a {type(value).__name__}, not a tensor; pass a tensor")
+        shape = tuple(value.shape)
+        if shape == layout.full_shape:
+            return layout.local(value)
+        if shape == layout.local_shape:
+            raise ShardingError(
+                f"{fqn}: {name} has the shape of one rank's shard {list(shape)} ({layout.describe()} of "
+                f"{list(layout.full_shape)}), and which rank's shard it is cannot be known; load the full tensor "
+                "or the DTensors model.state_dict() gives (torch.distributed.checkpoint)"
+            )
+        raise ShardingError(
+            f"{fqn}: {name} has shape {list(shape)}, but the parameter's full shape is {list(layout.full_shape)} "
+            f"(this rank holds {list(layout.local_shape)}); load a checkpoint of this model"
+        )
+
+    def chunks(self, fqn: str) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        """(offsets, sizes) in the full tensor of every block this rank holds."""
+        layout = self._layout(fqn)
+        cut = self._spec(fqn)[2]
+        return [(off, size) for off, size, _ in _blocks(layout, cut)]
+
+    # -- layouts
+
+    def _layout(self, fqn: str) -> ParamLayout:
+        layout = self.table.get(fqn)
+        if layout is None:
+            raise ShardingError(f"{fqn}: not a sharded parameter of this model; this is a bug")
+        return layout
+
+    def _spec(self, fqn: str) -> tuple[Any, tuple[DPlacement, ...], AxisShard]:
+        found = self._specs.get(fqn)
+        if found is None:
+            found = self._specs[fqn] = self._build_spec(fqn)
+        return found
+
+    def _build_spec(self, fqn: str) -> tuple[Any, tuple[DPlacement, ...], AxisShard]:
+        layout = self._layout(fqn)
+        names = list(self.device_mesh.mesh_dim_names or ())
+        if len(layout.shards) != 1 or layout.shards[0].axis not in names:
+            raise ShardingError(
+                f"{fqn}: laid out {layout.describe()}; hp_lazy presents to checkpoints only parameters cut on one "
+                f"axis of the device mesh {names} (not yet ep, or two axes at once); " + _fix("model.state_dict()")
+            )
+        cut = layout.shards[0]
+        if cut.blocks > 1 and cut.replicas > 1:
+            raise ShardingError(
+                f"{fqn}: a packed parameter ({cut.describe()}) kept on several ranks has no DTensor form; "
+                + _fix("model.state_dict()")
+            )
+        if cut.replicas > 1:
+            sub = self._sub_mesh(cut.replicas)
+            sub_names = list(sub.mesh_dim_names)
+            piece = sub_names.index(_piece_name(cut.replicas))
+            on_sub: tuple[DPlacement, ...] = tuple(
+                DShard(cut.dim) if i == piece else Replicate() for i in range(len(sub_names))
+            )
+            return sub, on_sub, cut
+        one: DPlacement = _StridedShard(cut.dim, split_factor=cut.blocks) if cut.blocks > 1 else DShard(cut.dim)
+        placements = tuple(one if name == cut.axis else Replicate() for name in names)
+        return self.device_mesh, placements, cut
+
+    def _sub_mesh(self, copies: int) -> Any:
+        key = (id(self.device_mesh), copies)
+        found = _SUB_MESHES.get(key)
+        if found is None:
+            names = list(self.device_mesh.mesh_dim_names or ())
+            n = self.mesh.degree("tp")
+            found = self.device_mesh._unflatten(
+                names.index("tp"), (n // copies, copies), (_piece_name(copies), f"tp_copy{copies}")
+            )
+            _SUB_MESHES[key] = found
+        return found
+
+
+def _piece_name(copies: int) -> str:
+    return f"tp_piece{copies}"
+
+
+def _cuts(table: LayoutTable, fqn: str) -> tuple[AxisShard, ...]:
+    layout = table.get(fqn)
+    return layout.shards if layout is not None else ()
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))
+
+
+def _blocks(layout: ParamLayout, cut: AxisShard) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
+    """(offsets, sizes, start in the local tensor) of each contiguous block this rank holds."""
+    full = layout.full_shape
+    block = full[cut.dim] // cut.blocks
+    piece = block // cut.pieces
+    out = []
+    for b in range(cut.blocks):
+        offsets = [0] * len(full)
+        offsets[cut.dim] = b * block + cut.piece * piece
+        sizes = list(layout.local_shape)
+        sizes[cut.dim] = piece
+        out.append((tuple(offsets), tuple(sizes), b * piece))
+    return out
+
+
+def _chunks(value: DTensor) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    return [(tuple(c.offsets), tuple(c.sizes)) for c in value.__create_chunk_list__()]
+
+
+def _chunk_protocol(out: DTensor, fqn: str, layout: ParamLayout, cut: AxisShard) -> None:
+    """DCP's view of a packed shard: one chunk per block (torch's own DCP code describes a
+    ``_StridedShard`` as one contiguous chunk, which would overlap and misplace the blocks)."""
+    blocks = _blocks(layout, cut)
+    local = out._local_tensor
+    views = {off: local.narrow(cut.dim, start, size[cut.dim]) for off, size, start in blocks}
+
+    def chunk_list() -> list[ChunkStorageMetadata]:
+        return [ChunkStorageMetadata(offsets=torch.Size(off), sizes=torch.Size(size)) for off, size, _ in blocks]
+
+    def write_items(key: str, _obj: object) -> list[WriteItem]:
+        from torch.distributed.checkpoint.metadata import TensorProperties
+
+        props = TensorProperties.create_from_tensor(local)
+        return [
+            WriteItem(
+                index=MetadataIndex(key, torch.Size(off)),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=torch.Size(off), sizes=torch.Size(size)),
+                    properties=props,
+                    size=torch.Size(layout.full_shape),
+                ),
+            )
+            for off, size, _ in blocks
+        ]
+
+    def tensor_shard(index: MetadataIndex) -> torch.Tensor:
+        found = views.get(tuple(index.offset or ()))
+        if found is None:
+            raise ShardingError(f"{fqn}: no block of this rank's packed shard starts at {index.offset}; this is a bug")
+        return found
+
+    hooks: dict[str, Callable[..., Any]] = {
+        "__create_chunk_list__": chunk_list,
+        "__create_write_items__": write_items,
+        "__get_tensor_shard__": tensor_shard,
+    }
+    for name, fn in hooks.items():
+        setattr(out, name, fn)
