@@ -38,6 +38,18 @@ LEAF_INPUTS = "_hp_inputs"
 """Leaf modules: (input name, position) pairs their entry ops apply to."""
 VOCAB_RANGE = "_hp_vocab"
 """Vocab-parallel embedding: the ``[start, end)`` rows it holds."""
+LEAF = "_hp_leaf"
+"""Module ``__dict__`` key: the leaf binding of a torch module hp_lazy runs (kept when PEFT wraps it)."""
+WATCH = "_hp_watch"
+"""Module ``__dict__`` key on every module of a bound model: set dirty when a submodule is replaced."""
+ADAPTER_HOOKS = "_hp_adapter_hooks"
+"""PEFT tuner layer ``__dict__`` key: the handles of its full-adapter state-dict hooks."""
+LAZY_HOOK = "_initialize_hook"
+"""Lowered root classes: torch's lazy-module attribute (``torch.compile`` binds before tracing)."""
+LAZY_INIT = "_infer_parameters"
+"""Lowered root classes: torch's lazy-module initialiser, here ``parallelize``."""
 
 GENERATED: frozenset[str] = frozenset({RT, INFO, BINDING, FORM, OUT, CALL})
-ATTACHED: frozenset[str] = frozenset({BOUND, LAYOUT_ATTR, GRADS_ATTR, LEAF_INPUTS, VOCAB_RANGE})
+ATTACHED: frozenset[str] = frozenset(
+    {BOUND, LAYOUT_ATTR, GRADS_ATTR, LEAF_INPUTS, VOCAB_RANGE, LEAF, WATCH, ADAPTER_HOOKS, LAZY_HOOK, LAZY_INIT}
+)

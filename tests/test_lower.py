@@ -215,6 +215,9 @@ class FakeRuntime(types.ModuleType):
         self.calls.append(f"add_deferred_bias({x})")
         return f"b({x})"
 
+    def lazy_root(self, cls) -> None:  # the lazy-module protocol: run-time only, not under test here
+        return None
+
     def ensure_parallel(self, module):
         self.calls.append(f"ensure_parallel({type(module).__name__})")
 

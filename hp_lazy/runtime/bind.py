@@ -13,20 +13,22 @@ takes every parameter of ``model``. Lowered root classes call it from their forw
 from __future__ import annotations
 
 import re
+import weakref
 from collections.abc import Iterator
 
 import torch.distributed as dist
 from torch import nn
+from torch.nn.modules.module import register_module_module_registration_hook
 
 from hp_lazy.errors import ShardingError
-from hp_lazy.names import BINDING, BOUND, FORM, GRADS_ATTR, LAYOUT_ATTR
+from hp_lazy.names import BINDING, BOUND, FORM, GRADS_ATTR, LAYOUT_ATTR, WATCH
 from hp_lazy.plan.fqn import compile_glob
 from hp_lazy.plan.model import Contract, ModulePlan
 from hp_lazy.plan.placement import Partial, Shard
-from hp_lazy.runtime import leaves, options, registry
+from hp_lazy.runtime import adapters, leaves, options, registry
 from hp_lazy.runtime.binding import Binding, compile_ops
 from hp_lazy.runtime.grads import GradOwner, rules_for
-from hp_lazy.runtime.layout import LayoutTable, plan_layout, shard_in_place
+from hp_lazy.runtime.layout import LayoutTable, ParamLayout, plan_layout, shard_in_place
 from hp_lazy.runtime.mesh import Mesh, get_mesh
 from hp_lazy.runtime.sp.stack import install_stack
 from hp_lazy.runtime.style import (
@@ -38,7 +40,7 @@ from hp_lazy.runtime.style import (
 )
 from hp_lazy.runtime.tp.style import TensorParallelStyle
 
-__all__ = ["STYLES", "parallelize"]
+__all__ = ["STYLES", "parallelize", "refresh"]
 
 STYLES: dict[str, type] = {"tp": TensorParallelStyle}
 """Mesh axis -> its parallelism's style (a new parallelism adds its room and one entry here)."""
@@ -52,6 +54,9 @@ def parallelize(model: nn.Module, *, data_parallel: bool | None = None) -> nn.Mo
     forward of a lowered model does it. ``data_parallel`` overrides ``activate``'s.
     """
     if model.__dict__.get(BOUND):
+        watch = model.__dict__.get(WATCH)
+        if watch is not None and watch.dirty:
+            refresh(model)
         return model
     bound_inside = [name for name, m in model.named_modules() if name and m.__dict__.get(BOUND)]
     if bound_inside:
@@ -80,7 +85,71 @@ def parallelize(model: nn.Module, *, data_parallel: bool | None = None) -> nn.Mo
         if registry.lowered_for(type(module)) is not None:
             module.__dict__[BOUND] = True
     model.__dict__[BOUND] = True
+    _watch(model)
     return model
+
+
+class Watch:
+    """Shared by every module of one bound model: ``dirty`` once a submodule is replaced (PEFT
+    wrapping a planned Linear, or ``merge_and_unload`` putting it back)."""
+
+    __slots__ = ("dirty", "top")
+
+    def __init__(self, top: nn.Module) -> None:
+        self.dirty = False
+        self.top = weakref.ref(top)
+
+
+def _watch(model: nn.Module) -> None:
+    global _REGISTRATION_HOOK
+    watch = model.__dict__.get(WATCH) or Watch(model)
+    watch.dirty = False
+    for module in model.modules():
+        module.__dict__[WATCH] = watch
+    if _REGISTRATION_HOOK is None:
+        _REGISTRATION_HOOK = register_module_module_registration_hook(_on_registration)
+
+
+_REGISTRATION_HOOK: object = None
+
+
+def _on_registration(parent: nn.Module, name: str, module: nn.Module | None) -> None:
+    watch = parent.__dict__.get(WATCH)
+    if watch is not None and module is not None:
+        watch.dirty = True
+        for sub in module.modules():
+            sub.__dict__.setdefault(WATCH, watch)
+
+
+def refresh(model: nn.Module) -> None:
+    """Bind what changed under a bound model: a PEFT tuner layer around a planned Linear gets its
+    adapters cut like the base (:mod:`hp_lazy.runtime.adapters`), a bound torch leaf's ops move to
+    the layer that wraps it, every parameter's new name joins the layout table, and the gradient
+    owner is rebuilt for the parameters that are trainable now."""
+    table: LayoutTable = model.__dict__[LAYOUT_ATTR]
+    leaves.move_leaves(model)
+    by_param: dict[int, ParamLayout] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        layout = table.get(name) or table.get(adapters.plain(name))
+        if layout is not None:
+            table.alias(name, layout)
+            by_param[id(param)] = layout
+    bound = [(n, m, b.contract) for n, m in model.named_modules() if isinstance(b := m.__dict__.get(BINDING), Binding)]
+    for fqn, module, _ in bound:
+        adapters.lay_out(fqn, module, table, by_param, table.groups)
+    _, _, lowered = next(_outermost_roots(model))
+    mesh = get_mesh(dict(lowered.plan.mesh))
+    ctx = BindContext(root=model, plan=lowered.plan, mesh=mesh, groups=table.groups, table=table, bound=bound)
+    ctx.by_param = by_param
+    for axis, group in table.groups.items():
+        if group.size > 1 and axis in STYLES:
+            STYLES[axis]().gradients(ctx)
+    names = {id(p): n for n, p in model.named_parameters()}
+    partial = {names[pid]: rule for pid, rule in ctx.partial.items() if pid in names}
+    old = model.__dict__[GRADS_ATTR]
+    old.close()
+    _own_gradients(model, mesh, partial, old.data_parallel)
+    _watch(model)
 
 
 def _merge_table(table: LayoutTable | None, ctx: BindContext, prefix: str) -> LayoutTable:
@@ -169,7 +238,7 @@ def _is_planned_class(module: nn.Module, plan: ModulePlan, contract: Contract) -
     if not wanted:
         return True
     short = wanted.rpartition(".")[2]
-    return any(k.__name__ == short for k in type(module).__mro__)
+    return any(k.__name__ == short for k in type(adapters.base_of(module)).__mro__)
 
 
 def _match(root: nn.Module, lowered: registry.Lowered) -> list[Bound]:
@@ -207,6 +276,7 @@ def _bind_boundary(
         style.validate(fqn, module, contract, ctx)
     replicas = {style.axis: style.replicas(fqn, module, contract, ctx) for style in styles}
     _partition(fqn, module, contract, ctx, replicas)
+    adapters.lay_out(fqn, module, ctx.table, ctx.by_param, ctx.groups)
     for style in styles:
         style.after_partition(fqn, module, contract, ctx, replicas[style.axis])
     binding = Binding(
@@ -240,7 +310,7 @@ def _partition(
             )
         for pname, param in params:
             full = f"{fqn}.{pname}" if fqn else pname
-            held = {axis: r[pname] for axis, r in replicas.items() if pname in r}
+            held = {axis: r[key] for axis, r in replicas.items() if (key := pname if pname in r else name) in r}
             earlier = ctx.by_param.get(id(param))
             shape = earlier.full_shape if earlier is not None else tuple(param.shape)
             layout = plan_layout(full, shape, placements, ctx.groups, replicas=held)
@@ -268,8 +338,9 @@ def _defer_biases(fqn: str, module: nn.Module, contract: Contract) -> tuple[tupl
                 f"{fqn}: the plan defers bias {name!r} but the module has none; fix deferred_bias_params, or "
                 "list the name in optional_params if the model may not have it"
             )
-        owner_name, _, leaf = name.rpartition(".")
-        owner = module.get_submodule(owner_name) if owner_name else module
+        found = adapters.resolve(module, name)
+        assert found is not None  # get_param found it
+        owner, leaf = found
         leaves.suppress_bias(owner)
         biases.append((owner, leaf))
     return tuple(biases)
@@ -301,6 +372,7 @@ def _alias_tied(ctx: BindContext) -> None:
         layout = ctx.by_param.get(id(param))
         if layout is not None:
             ctx.table.alias(name, layout)
+            ctx.table.alias(adapters.plain(name), layout)  # its name once PEFT's merge_and_unload unwraps it
 
 
 def _check_shards_covered(ctx: BindContext) -> None:

@@ -6,12 +6,13 @@ names only, and the loader puts this module into each lowered module as ``__hp_r
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NoReturn
 
 from torch import nn
 
 from hp_lazy.errors import ShardingError
-from hp_lazy.names import BOUND, GRADS_ATTR
+from hp_lazy.names import BOUND, GRADS_ATTR, LAZY_HOOK, LAZY_INIT, WATCH
 from hp_lazy.runtime.binding import Binding, CallContext, add_deferred_bias
 from hp_lazy.runtime.comm import (
     all_to_all,
@@ -35,6 +36,7 @@ __all__ = [
     "gather_from",
     "gather_to",
     "install_root",
+    "lazy_root",
     "reduce_from",
     "reduce_scatter_to",
     "scatter_to",
@@ -72,6 +74,11 @@ def ensure_parallel(module: nn.Module) -> None:
         from hp_lazy.runtime.bind import parallelize
 
         parallelize(module)
+    watch = module.__dict__.get(WATCH)
+    if watch is not None and watch.dirty:  # PEFT wrapped (or unwrapped) a planned Linear since binding
+        from hp_lazy.runtime.bind import refresh
+
+        refresh(watch.top())
     owner = module.__dict__.get(GRADS_ATTR)
     if owner is not None:
         owner.check(module)
@@ -79,8 +86,7 @@ def ensure_parallel(module: nn.Module) -> None:
 
 def install_root(cls: type[nn.Module]) -> None:
     """Give a root class whose ``forward`` is inherited a prologue, keeping the signature."""
-    import functools
-
+    lazy_root(cls)
     inherited = cls.forward
 
     @functools.wraps(inherited)
@@ -89,6 +95,67 @@ def install_root(cls: type[nn.Module]) -> None:
         return inherited(self, *args, **kwargs)
 
     cls.forward = forward
+
+
+class _LazyHook:
+    """``_initialize_hook`` of a lowered root: present (truthy) while the instance is unbound."""
+
+    def __get__(self, module: nn.Module | None, owner: type) -> Any:
+        if module is not None and BOUND not in module.__dict__:
+            return True
+        raise AttributeError(LAZY_HOOK)
+
+
+def _bind_now(module: nn.Module, *args: Any) -> None:
+    """Bind ``module`` outside any traced region (no-op when bound)."""
+    ensure_parallel(module)
+
+
+def lazy_root(cls: type[nn.Module]) -> None:
+    """Bind a root before ``torch.compile`` traces it: torch's lazy-module protocol
+    (``_initialize_hook`` / ``_infer_parameters``, which ``torch.compile(model)`` and dynamo call
+    outside the graph), and ``model.compile()`` binds first. The traced forward then only reads
+    two dicts (``ensure_parallel``'s fast path): one graph, no break. ``resize_token_embeddings``
+    on a bound model with a sharded embedding or head is refused with the fix."""
+    if LAZY_INIT in cls.__dict__:
+        return
+    setattr(cls, LAZY_HOOK, _LazyHook())
+    setattr(cls, LAZY_INIT, _bind_now)
+    compile_module = cls.compile
+
+    def compile(self: nn.Module, *args: Any, **kwargs: Any) -> None:  # noqa: A001 - nn.Module's name
+        ensure_parallel(self)
+        compile_module(self, *args, **kwargs)
+
+    cls.compile = compile  # type: ignore[method-assign]
+    resize = getattr(cls, "resize_token_embeddings", None)
+    if resize is not None:
+
+        def resize_token_embeddings(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            _refuse_resize_when_sharded(self)
+            return resize(self, *args, **kwargs)
+
+        cls.resize_token_embeddings = functools.wraps(resize)(resize_token_embeddings)  # type: ignore[attr-defined]
+
+
+def _refuse_resize_when_sharded(model: nn.Module) -> None:
+    """transformers' resize reads ``weight.size()`` and copies the old rows: on a vocab shard it
+    would take this rank's rows for the whole vocabulary (every logit wrong, no error)."""
+    from hp_lazy.runtime.layout import tables
+
+    heads = (model.get_input_embeddings(), model.get_output_embeddings())  # type: ignore[operator]
+    wanted = {id(getattr(m, "weight", None)) for m in heads}
+    names = {n: p for n, p in model.named_parameters(remove_duplicate=False) if id(p) in wanted}
+    for prefix, table in tables(model):
+        for name in names:
+            layout = table.get(name.removeprefix(prefix))
+            if layout is not None and layout.shards:
+                raise ShardingError(
+                    f"{type(model).__qualname__}.resize_token_embeddings: hp_lazy already sharded {name} "
+                    f"({layout.describe()} of {list(layout.full_shape)}), and resizing copies the old rows from "
+                    "weight.size(), which is this rank's shard; call resize_token_embeddings(n, pad_to_multiple_of=tp) "
+                    "before hp_lazy.parallelize(model) and before the first forward (hp_lazy then shards the new size)"
+                )
 
 
 def begin(binding: Binding) -> CallContext:

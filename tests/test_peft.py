@@ -1,0 +1,138 @@
+"""PEFT LoRA on ``Plan.auto`` models, ``get_peft_model`` before (lazy binding) and after
+``hp_lazy.parallelize``: loss, every adapter gradient and three SGD steps against the same PEFT
+model in one process; ``merge_and_unload`` and ``save_pretrained`` give the one-process adapter.
+tp=2, and tp=4 with sequence parallel on a GQA model whose K/V heads (and their lora_B) are kept
+on two ranks each."""
+
+from __future__ import annotations
+
+import os
+
+import models
+import parity
+import pytest
+from dist import DistPool, pool_fixture
+
+pool2 = pool_fixture(2, timeout=120)
+pool4 = pool_fixture(4, timeout=180)
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
+
+
+def _peft(model, targets=TARGETS, **extra):
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(7)  # the adapters' init: the same draws in every process
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0, **extra))
+    gen = torch.Generator().manual_seed(3)  # lora_B starts at zero; make lora_A's gradient non-zero too
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.05)
+    return peft_model
+
+
+def _reference(path: str, ids) -> dict:
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    model = _peft(transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
+    result = models.run_training(model, ids)
+    result["adapter"] = {k: v for k, v in result["state"].items() if "lora_" in k}
+    result["merged"] = {k: v.clone() for k, v in model.merge_and_unload().state_dict().items()}
+    return result
+
+
+def _activate(rank: int, world: int, tp: int, sp: bool) -> None:
+    import hp_lazy
+
+    hp_lazy.activate(hp_lazy.Plan.auto(tp=tp, sequence_parallel=sp))
+
+
+def _ready(pool: DistPool, sp: bool) -> DistPool:
+    """``pool`` with the plan activated once per set of workers (tp = the pool's world)."""
+    if getattr(pool, "_hp_peft", None) is not pool._procs or not pool._procs:
+        pool.run(_activate, pool.world_size, sp)
+        pool._hp_peft = pool._procs
+    return pool
+
+
+def _run(rank: int, world: int, path: str, ids, when: str, save_dir: str) -> dict:
+    import hp_lazy
+
+    model = parity._load(path)
+    if when == "after":
+        hp_lazy.parallelize(model)
+    peft_model = _peft(model)
+    result = models.run_training(peft_model, ids, full_grads=hp_lazy.full_grads, full_state_dict=hp_lazy.full_state_dict)
+    # on every rank (the adapter is gathered); the base lm_head is not an adapter: not saved
+    peft_model.save_pretrained(save_dir, is_main_process=rank == 0, save_embedding_layers=False)
+    merged = peft_model.merge_and_unload()
+    result["merged"] = hp_lazy.full_state_dict(merged)
+    result["merged_logits"] = merged(input_ids=ids).logits.detach()
+    return result if rank == 0 else {"loss": result["loss"]}
+
+
+@pytest.fixture(scope="module")
+def peft_refs(refs) -> dict:
+    out = {}
+    for name in ("llama_bias", "llama_gqa"):
+        path = models.build(name, refs.root)
+        out[name] = (path, _reference(path, models.batch()))
+    return out
+
+
+def _check(results: list[dict], ref: dict, save_dir: str) -> float:
+    got = results[0]
+    assert len(got["grads"]) == len([k for k in ref["grads"] if "lora_" in k]) >= 30  # adapters only: the base is frozen
+    errors = parity.compare(got, ref)
+    assert all(models.rel_err(r["loss"], ref["loss"]) <= parity.TOL for r in results)
+    for name, value in ref["merged"].items():
+        assert models.rel_err(got["merged"][name], value) <= parity.TOL, name
+    _check_saved_adapter(save_dir, ref)
+    return max(errors.values())
+
+
+def _check_saved_adapter(save_dir: str, ref: dict) -> None:
+    from safetensors.torch import load_file
+
+    saved = load_file(os.path.join(save_dir, "adapter_model.safetensors"))
+    assert len(saved) == len(ref["adapter"])
+    for key, value in ref["adapter"].items():
+        stored = key.replace(".default", "")  # PEFT drops the adapter name on save
+        assert saved[stored].shape == value.shape, key
+        assert models.rel_err(saved[stored], value) <= parity.TOL, key
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_lora_tp2(when: str, peft_refs, pool2: DistPool, tmp_path) -> None:
+    path, ref = peft_refs["llama_bias"]  # attention and MLP biases: o_proj/down_proj's deferred
+    results = _ready(pool2, False).run(_run, path, models.batch(), when, str(tmp_path))
+    assert _check(results, ref, str(tmp_path)) <= parity.TOL
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_lora_tp4_sequence_parallel_replicated_kv(when: str, peft_refs, pool4: DistPool, tmp_path) -> None:
+    path, ref = peft_refs["llama_gqa"]  # 2 kv heads at tp=4: k/v_proj and their lora_B kept on 2 ranks
+    results = _ready(pool4, True).run(_run, path, models.batch(), when, str(tmp_path))
+    assert _check(results, ref, str(tmp_path)) <= parity.TOL
+
+
+def _run_dora(rank: int, world: int, path: str) -> str:
+    import hp_lazy
+    from hp_lazy.errors import ShardingError
+
+    peft_model = _peft(parity._load(path), targets=["o_proj"], use_dora=True)
+    try:
+        hp_lazy.parallelize(peft_model.base_model.model)
+    except ShardingError as exc:
+        return str(exc)
+    return "bound"
+
+
+def test_dora_is_refused(peft_refs, pool2: DistPool) -> None:
+    path, _ = peft_refs["llama_bias"]
+    (message, _) = _ready(pool2, False).run(_run_dora, path)
+    assert "model.layers.0.self_attn.o_proj: LoRA variant" in message and "use_dora=False" in message
