@@ -40,7 +40,7 @@ def _reference(path: str, ids) -> dict:
     torch.manual_seed(0)
     model = _peft(transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
     result = models.run_training(model, ids)
-    result["adapter"] = {k: v for k, v in result["state"].items() if "lora_" in k}
+    result["adapter"] = {k: v for k, v in result["state"].items() if "lora_" in k or "lm_head.base_layer" in k}
     result["merged"] = {k: v.clone() for k, v in model.merge_and_unload().state_dict().items()}
     return result
 
@@ -67,8 +67,8 @@ def _run(rank: int, world: int, path: str, ids, when: str, save_dir: str) -> dic
         hp_lazy.parallelize(model)
     peft_model = _peft(model)
     result = models.run_training(peft_model, ids, full_grads=hp_lazy.full_grads, full_state_dict=hp_lazy.full_state_dict)
-    # on every rank (the adapter is gathered); the base lm_head is not an adapter: not saved
-    peft_model.save_pretrained(save_dir, is_main_process=rank == 0, save_embedding_layers=False)
+    # on every rank (the adapter is gathered); PEFT also saves the targeted lm_head's base weight
+    peft_model.save_pretrained(save_dir, is_main_process=rank == 0)
     merged = peft_model.merge_and_unload()
     result["merged"] = hp_lazy.full_state_dict(merged)
     result["merged_logits"] = merged(input_ids=ids).logits.detach()
@@ -95,6 +95,18 @@ def _check(results: list[dict], ref: dict, save_dir: str) -> float:
     return max(errors.values())
 
 
+def _check_loaded_adapter(path: str, save_dir: str, ref: dict) -> None:
+    """A plain process (no hp_lazy) loads the saved adapter with PEFT's own call: the trained one."""
+    import torch
+    import transformers
+    from peft import PeftModel
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    loaded = PeftModel.from_pretrained(base, save_dir).state_dict()
+    for key, value in ref["adapter"].items():
+        assert models.rel_err(loaded[key], value) <= parity.TOL, key
+
+
 def _check_saved_adapter(save_dir: str, ref: dict) -> None:
     from safetensors.torch import load_file
 
@@ -111,6 +123,7 @@ def test_lora_tp2(when: str, peft_refs, pool2: DistPool, tmp_path) -> None:
     path, ref = peft_refs["llama_bias"]  # attention and MLP biases: o_proj/down_proj's deferred
     results = _ready(pool2, False).run(_run, path, models.batch(), when, str(tmp_path))
     assert _check(results, ref, str(tmp_path)) <= parity.TOL
+    _check_loaded_adapter(path, str(tmp_path), ref)
 
 
 @pytest.mark.parametrize("when", ["before", "after"])
@@ -136,3 +149,66 @@ def test_dora_is_refused(peft_refs, pool2: DistPool) -> None:
     path, _ = peft_refs["llama_bias"]
     (message, _) = _ready(pool2, False).run(_run_dora, path)
     assert "model.layers.0.self_attn.o_proj: LoRA variant" in message and "use_dora=False" in message
+
+
+def _attributes(rank: int, world: int, path: str) -> list[str]:
+    """Every sharded nn.Linear / nn.Embedding reports the full module's sizes (hp_lazy's contract,
+    what PEFT sizes adapters from) while its weight holds the local shard of the layout table."""
+    import hp_lazy
+    from torch import nn
+
+    from hp_lazy.runtime.layout import table_of
+
+    model = hp_lazy.parallelize(parity._load(path))
+    table = table_of(model)
+    checked = []
+    for name, module in model.named_modules():
+        layout = table.get(f"{name}.weight")
+        if layout is None or not layout.shards:
+            continue
+        assert tuple(module.weight.shape) == layout.local_shape != layout.full_shape, name
+        if isinstance(module, nn.Linear):
+            assert (module.out_features, module.in_features) == layout.full_shape, name
+        elif isinstance(module, nn.Embedding):
+            assert (module.num_embeddings, module.embedding_dim) == layout.full_shape, name
+        else:
+            continue
+        checked.append(f"{name} {layout.describe()}")
+    return checked
+
+
+def test_module_attributes_are_global(peft_refs, pool4: DistPool) -> None:
+    path, _ = peft_refs["llama_gqa"]
+    checked = _ready(pool4, True).run(_attributes, path)[0]
+    assert "model.layers.0.self_attn.k_proj S(0) (kept on 2 ranks)" in checked  # replicated K/V heads
+    assert "model.embed_tokens S(0)" in checked and "lm_head S(0)" in checked
+    assert len(checked) == 2 + 7 * models.BASE["num_hidden_layers"]
+
+
+def _run_unsummed(rank: int, world: int, path: str, ids) -> dict:
+    """Negative control: the adapters' partial gradients (colwise lora_A, rowwise lora_B) not summed over tp."""
+    import hp_lazy
+    from hp_lazy.runtime.style import BindContext
+
+    model = _peft(parity._load(path))
+    lora = {id(p) for n, p in model.named_parameters() if "lora_" in n}
+    original = BindContext.add_partial
+
+    def add_partial(self, param, axis, slots=1, slot=0):  # type: ignore[no-untyped-def]
+        if id(param) not in lora:
+            original(self, param, axis, slots, slot)
+
+    BindContext.add_partial = add_partial  # type: ignore[method-assign]
+    try:
+        result = models.run_training(model, ids, full_grads=hp_lazy.full_grads, full_state_dict=hp_lazy.full_state_dict)
+    finally:
+        BindContext.add_partial = original  # type: ignore[method-assign]
+    return result if rank == 0 else {}
+
+
+def test_unsummed_adapter_gradients_fail_parity(peft_refs, pool2: DistPool) -> None:
+    path, ref = peft_refs["llama_bias"]
+    got = _ready(pool2, False).run(_run_unsummed, path, models.batch())[0]
+    assert models.rel_err(got["loss"], ref["loss"]) <= parity.TOL  # forward is unaffected
+    with pytest.raises(AssertionError, match=r"grad base_model\.model\.model\.layers\.0\.self_attn\.q_proj\.lora_A"):
+        parity.compare(got, ref)

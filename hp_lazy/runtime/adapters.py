@@ -18,9 +18,10 @@ parameters holds a partial gradient). Fresh adapters are broadcast from global r
 they are cut (as DDP does at construction), so ranks seeded differently still agree.
 
 ``state_dict()`` of a tuner layer holds its adapters **full** (gathered over the cut axes, a
-collective: call it on every rank, e.g. ``peft_model.save_pretrained(d, is_main_process=rank == 0)``)
-and ``load_state_dict`` takes full adapters, so PEFT's own save and load see the one-process
-adapter. Refused with the fix: DoRA and other LoRA variants, ``lora_bias`` on a rowwise base,
+collective: call it on every rank, e.g. ``peft_model.save_pretrained(d, is_main_process=rank == 0)``),
+and the base weight too for a targeted head PEFT saves with the adapter (``lm_head``); ``load_state_dict``
+takes them full, so PEFT's own save and load see the one-process adapter. Other base weights stay
+local in ``state_dict()`` (``hp_lazy.full_state_dict`` gathers them; it takes full entries as they are). Refused with the fix: DoRA and other LoRA variants, ``lora_bias`` on a rowwise base,
 adapters on a vocab-parallel embedding or on any tuner layer that is not a LoRA ``Linear``.
 """
 
@@ -124,6 +125,8 @@ def lay_out(
             continue  # a replicated base: its adapters stay replicated (the style sums their gradients)
         cuts = _refuse_unsupported(where, tuner, base, layout)
         made: dict[str, ParamLayout] = {}
+        if where.rpartition(".")[2] in _saved_bases():  # PEFT saves a targeted head's base weight too
+            made[f"{BASE}.weight"] = layout
         for pname, param in tuner.named_parameters():
             if pname.startswith(BASE + "."):
                 continue
@@ -138,6 +141,13 @@ def lay_out(
                 table.add(full)
             by_param[id(param)] = full
         _hook_state_dict(tuner, made, groups)
+
+
+def _saved_bases() -> tuple[str, ...]:
+    """Module names whose base weight PEFT's ``save_pretrained`` stores with the adapter when they
+    are targeted (``save_embedding_layers="auto"``): ``embed_tokens``, ``lm_head``, ..."""
+    constants = sys.modules.get("peft.utils.constants")
+    return tuple(getattr(constants, "EMBEDDING_LAYER_NAMES", ())) if constants is not None else ()
 
 
 def _adapter_cut(pname: str, cuts: tuple[AxisShard, ...]) -> tuple[AxisShard, ...]:
