@@ -19,10 +19,15 @@ they are cut (as DDP does at construction), so ranks seeded differently still ag
 
 ``state_dict()`` of a tuner layer holds its adapters **full** (gathered over the cut axes, a
 collective: call it on every rank, e.g. ``peft_model.save_pretrained(d, is_main_process=rank == 0)``),
-and the base weight too for a targeted head PEFT saves with the adapter (``lm_head``); ``load_state_dict``
-takes them full, so PEFT's own save and load see the one-process adapter. Other base weights stay
-local in ``state_dict()`` (``hp_lazy.full_state_dict`` gathers them; it takes full entries as they are). Refused with the fix: DoRA and other LoRA variants, ``lora_bias`` on a rowwise base,
-adapters on a vocab-parallel embedding or on any tuner layer that is not a LoRA ``Linear``.
+and the base weight too for a targeted head PEFT saves with the adapter (``lm_head``);
+``load_state_dict`` takes them full, so PEFT's own save and load see the one-process adapter.
+Other base weights stay local in ``state_dict()`` (``hp_lazy.full_state_dict`` gathers them and
+takes full entries as they are).
+
+When PEFT runs after binding, the model is re-bound before its next forward (``bind.refresh``; a
+replaced submodule marks the model dirty), outside any ``torch.compile`` trace (the root's
+lazy-module hook). Refused with the fix: DoRA and other LoRA variants, ``lora_bias`` on a rowwise
+base, adapters on a vocab-parallel embedding or on any tuner layer that is not a LoRA ``Linear``.
 """
 
 from __future__ import annotations

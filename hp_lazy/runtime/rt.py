@@ -98,11 +98,14 @@ def install_root(cls: type[nn.Module]) -> None:
 
 
 class _LazyHook:
-    """``_initialize_hook`` of a lowered root: present (truthy) while the instance is unbound."""
+    """``_initialize_hook`` of a lowered root: present (truthy) while the instance is unbound or
+    changed since binding (PEFT wrapped a planned Linear), absent otherwise."""
 
     def __get__(self, module: nn.Module | None, owner: type) -> Any:
-        if module is not None and BOUND not in module.__dict__:
-            return True
+        if module is not None:
+            watch = module.__dict__.get(WATCH)
+            if BOUND not in module.__dict__ or (watch is not None and watch.dirty):
+                return True
         raise AttributeError(LAZY_HOOK)
 
 
