@@ -1,6 +1,7 @@
-"""``resize_token_embeddings`` and hp_lazy: after ``parallelize`` (vocab-parallel embedding and
-lm_head, tied or not) it is refused with the fix instead of copying a shard as the whole
-vocabulary; before binding, the resized model shards and trains like one process's."""
+"""``resize_token_embeddings`` after ``parallelize`` (vocab-parallel embedding and lm_head, tied or
+not) re-cuts the weights at the new size: logits, loss, every gradient and three SGD steps equal
+one process's resized model (the added rows drawn from the same mean and covariance); a size tp
+does not divide is refused, before anything changes, with ``pad_to_multiple_of``."""
 
 from __future__ import annotations
 
@@ -14,28 +15,24 @@ pool2 = pool_fixture(2, timeout=120)
 NEW_VOCAB = models.VOCAB + 8
 
 
-def _resize_after(rank: int, world: int, path: str) -> str:
-    import hp_lazy
-    from hp_lazy.errors import ShardingError
-
-    model = hp_lazy.parallelize(parity._load(path))
-    try:
-        model.resize_token_embeddings(NEW_VOCAB)
-    except ShardingError as exc:
-        return str(exc)
-    return "resized"
-
-
-def _resize_before(rank: int, world: int, path: str, ids) -> dict:
+def _resize_after(rank: int, world: int, path: str, ids, when: str) -> dict:
     import torch
 
     import hp_lazy
+    from hp_lazy.errors import ShardingError
 
     model = parity._load(path)
+    if when == "after":
+        hp_lazy.parallelize(model)
+    try:
+        model.resize_token_embeddings(NEW_VOCAB + 1)
+    except ShardingError as exc:
+        refused = str(exc)
     torch.manual_seed(5)  # the new rows' init
     model.resize_token_embeddings(NEW_VOCAB)
     result = models.run_training(model, ids, full_grads=hp_lazy.full_grads, full_state_dict=hp_lazy.full_state_dict)
-    return result if rank == 0 else {}
+    result["refused"] = refused if when == "after" else ""
+    return result if rank == 0 else {"loss": result["loss"]}
 
 
 def _reference(path: str, ids) -> dict:
@@ -50,12 +47,12 @@ def _reference(path: str, ids) -> dict:
 
 
 @pytest.mark.parametrize("name", ["llama", "llama_tied"])
-def test_resize(name: str, refs, pool2: DistPool) -> None:
+def test_resize_after_parallelize(name: str, refs, pool2: DistPool) -> None:
     path, _ = refs(name)
-    pool = parity.activated(pool2, sequence_parallel=False)
-    messages = pool.run(_resize_after, path)
-    assert "resize_token_embeddings: hp_lazy already sharded model.embed_tokens.weight (S(0) of [128, 32])" in messages[0]
-    assert "before hp_lazy.parallelize(model)" in messages[0] and messages[0] == messages[1]
-    got = pool.run(_resize_before, path, models.batch())[0]
-    assert got["logits"].shape[-1] == NEW_VOCAB
+    results = parity.activated(pool2, sequence_parallel=False).run(_resize_after, path, models.batch(), "after")
+    got = results[0]
+    assert "model.embed_tokens.weight: resize_token_embeddings to 137 rows, which tp=2 does not divide" in got["refused"]
+    assert "pad_to_multiple_of=2" in got["refused"]
+    assert got["logits"].shape[-1] == NEW_VOCAB and got["state"]["lm_head.weight"].shape[0] == NEW_VOCAB
     assert max(parity.compare(got, _reference(path, models.batch())).values()) <= parity.TOL
+    assert models.rel_err(results[1]["loss"], got["loss"]) <= parity.TOL

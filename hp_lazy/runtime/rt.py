@@ -119,7 +119,8 @@ def lazy_root(cls: type[nn.Module]) -> None:
     (``_initialize_hook`` / ``_infer_parameters``, which ``torch.compile(model)`` and dynamo call
     outside the graph), and ``model.compile()`` binds first. The traced forward then only reads
     two dicts (``ensure_parallel``'s fast path): one graph, no break. ``resize_token_embeddings``
-    on a bound model with a sharded embedding or head is refused with the fix."""
+    on a bound model re-cuts a vocab-sharded embedding and head at the new size
+    (:mod:`hp_lazy.runtime.tp.resize`)."""
     if LAZY_INIT in cls.__dict__:
         return
     setattr(cls, LAZY_HOOK, _LazyHook())
@@ -135,30 +136,11 @@ def lazy_root(cls: type[nn.Module]) -> None:
     if resize is not None:
 
         def resize_token_embeddings(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-            _refuse_resize_when_sharded(self)
-            return resize(self, *args, **kwargs)
+            from hp_lazy.runtime.tp.resize import resize_sharded
+
+            return resize_sharded(self, resize, args, kwargs)
 
         cls.resize_token_embeddings = functools.wraps(resize)(resize_token_embeddings)  # type: ignore[attr-defined]
-
-
-def _refuse_resize_when_sharded(model: nn.Module) -> None:
-    """transformers' resize reads ``weight.size()`` and copies the old rows: on a vocab shard it
-    would take this rank's rows for the whole vocabulary (every logit wrong, no error)."""
-    from hp_lazy.runtime.layout import tables
-
-    heads = (model.get_input_embeddings(), model.get_output_embeddings())  # type: ignore[operator]
-    wanted = {id(getattr(m, "weight", None)) for m in heads}
-    names = {n: p for n, p in model.named_parameters(remove_duplicate=False) if id(p) in wanted}
-    for prefix, table in tables(model):
-        for name in names:
-            layout = table.get(name.removeprefix(prefix))
-            if layout is not None and layout.shards:
-                raise ShardingError(
-                    f"{type(model).__qualname__}.resize_token_embeddings: hp_lazy already sharded {name} "
-                    f"({layout.describe()} of {list(layout.full_shape)}), and resizing copies the old rows from "
-                    "weight.size(), which is this rank's shard; call resize_token_embeddings(n, pad_to_multiple_of=tp) "
-                    "before hp_lazy.parallelize(model) and before the first forward (hp_lazy then shards the new size)"
-                )
 
 
 def begin(binding: Binding) -> CallContext:
