@@ -8,6 +8,10 @@ ops, sets ``module._hp_b`` on lowered instances or installs a leaf forward on to
 lets the styles set their gradient and loss policy. Then one :class:`~hp_lazy.runtime.grads.GradOwner`
 takes every parameter of ``model``. Lowered root classes call it from their forward, so after
 ``activate`` a model runs in parallel with no further call.
+
+A bound model is watched: replacing one of its submodules (PEFT wrapping a planned Linear,
+``merge_and_unload`` putting it back, transformers replacing a resized head) marks it dirty, and
+:func:`refresh` binds what changed before the next forward (or at ``parallelize``).
 """
 
 from __future__ import annotations
