@@ -24,7 +24,8 @@ def _peft(model, targets=TARGETS, **extra):
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(7)  # the adapters' init: the same draws in every process
-    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0, **extra))
+    config = {"r": 4, "lora_alpha": 8, "target_modules": targets, "lora_dropout": 0.0, **extra}
+    peft_model = get_peft_model(model, LoraConfig(**config))
     gen = torch.Generator().manual_seed(3)  # lora_B starts at zero; make lora_A's gradient non-zero too
     with torch.no_grad():
         for name, param in peft_model.named_parameters():
@@ -33,12 +34,12 @@ def _peft(model, targets=TARGETS, **extra):
     return peft_model
 
 
-def _reference(path: str, ids) -> dict:
+def _reference(path: str, ids, **extra) -> dict:
     import torch
     import transformers
 
     torch.manual_seed(0)
-    model = _peft(transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
+    model = _peft(transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), **extra)
     result = models.run_training(model, ids)
     result["adapter"] = {k: v for k, v in result["state"].items() if "lora_" in k or "lm_head.base_layer" in k}
     result["merged"] = {k: v.clone() for k, v in model.merge_and_unload().state_dict().items()}
@@ -59,13 +60,15 @@ def _ready(pool: DistPool, sp: bool) -> DistPool:
     return pool
 
 
-def _run(rank: int, world: int, path: str, ids, when: str, save_dir: str) -> dict:
+def _run(rank: int, world: int, path: str, ids, when: str, save_dir: str, **extra) -> dict:
     import hp_lazy
 
     model = parity._load(path)
     if when == "after":
         hp_lazy.parallelize(model)
-    peft_model = _peft(model)
+    peft_model = _peft(model, **extra)
+    if when == "after":
+        hp_lazy.parallelize(peft_model)  # optional: the wrapper of a bound model is re-bound now
     result = models.run_training(peft_model, ids, full_grads=hp_lazy.full_grads, full_state_dict=hp_lazy.full_state_dict)
     # on every rank (the adapter is gathered); PEFT also saves the targeted lm_head's base weight
     peft_model.save_pretrained(save_dir, is_main_process=rank == 0)
@@ -133,6 +136,15 @@ def test_lora_tp4_sequence_parallel_replicated_kv(when: str, peft_refs, pool4: D
     assert _check(results, ref, str(tmp_path)) <= parity.TOL
 
 
+def test_lora_dropout_is_one_process_masks(peft_refs, pool2: DistPool, tmp_path) -> None:
+    """lora_dropout=0.1: colwise adapters see the replicated input (torch's own masks), rowwise ones
+    draw one process's mask for the full input and keep their columns."""
+    path, _ = peft_refs["llama_bias"]
+    ref = _reference(path, models.batch(), lora_dropout=0.1)
+    results = _ready(pool2, False).run(_run, path, models.batch(), "before", str(tmp_path), lora_dropout=0.1)
+    assert max(parity.compare(results[0], ref).values()) <= parity.TOL
+
+
 def _run_dora(rank: int, world: int, path: str) -> str:
     import hp_lazy
     from hp_lazy.errors import ShardingError
@@ -154,9 +166,9 @@ def test_dora_is_refused(peft_refs, pool2: DistPool) -> None:
 def _attributes(rank: int, world: int, path: str) -> list[str]:
     """Every sharded nn.Linear / nn.Embedding reports the full module's sizes (hp_lazy's contract,
     what PEFT sizes adapters from) while its weight holds the local shard of the layout table."""
-    import hp_lazy
     from torch import nn
 
+    import hp_lazy
     from hp_lazy.runtime.layout import table_of
 
     model = hp_lazy.parallelize(parity._load(path))

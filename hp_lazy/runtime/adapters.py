@@ -26,8 +26,11 @@ takes full entries as they are).
 
 When PEFT runs after binding, the model is re-bound before its next forward (``bind.refresh``; a
 replaced submodule marks the model dirty), outside any ``torch.compile`` trace (the root's
-lazy-module hook). Refused with the fix: DoRA and other LoRA variants, ``lora_bias`` on a rowwise
-base, adapters on a vocab-parallel embedding or on any tuner layer that is not a LoRA ``Linear``.
+lazy-module hook). ``lora_dropout`` on a rowwise base draws one process's mask for the full
+input and keeps this rank's columns (on a colwise base the input is replicated: torch's own
+dropout draws one process's mask already, given ranks seeded alike). Refused with the fix: DoRA
+and other LoRA variants, ``lora_bias`` on a rowwise base, adapters on a vocab-parallel embedding
+or on any tuner layer that is not a LoRA ``Linear``.
 """
 
 from __future__ import annotations
@@ -146,6 +149,7 @@ def lay_out(
                 table.add(full)
             by_param[id(param)] = full
         _hook_state_dict(tuner, made, groups)
+        _full_dropout_masks(tuner, tuple(c for c in cuts if c.dim == 1))
 
 
 def _saved_bases() -> tuple[str, ...]:
@@ -188,6 +192,36 @@ def _refuse_unsupported(where: str, tuner: nn.Module, base: nn.Module, layout: P
             "every rank before the reduction; use lora_bias=False for this module"
         )
     return cuts
+
+
+class _ShardedDropout(nn.Dropout):
+    """Dropout of a feature-sharded input ``[..., in/n]`` (a rowwise base's): draws one process's
+    mask for the full ``[..., in]`` from the same generator and keeps this rank's columns, so the
+    masks (and the random stream after them) equal one process's."""
+
+    _hp_cuts: tuple[AxisShard, ...] = ()
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0.0:
+            return input
+        shape = list(input.shape)
+        for cut in self._hp_cuts:
+            shape[-1] *= cut.pieces
+        noise = torch.empty(shape, dtype=input.dtype, device=input.device).bernoulli_(1.0 - self.p)
+        noise.div_(1.0 - self.p)  # torch's own dropout: the same draws, the same rounding
+        for cut in reversed(self._hp_cuts):
+            noise = noise.chunk(cut.pieces, dim=-1)[cut.piece]
+        return input * noise
+
+
+def _full_dropout_masks(tuner: nn.Module, cuts: tuple[AxisShard, ...]) -> None:
+    """A rowwise adapter's dropout sees this rank's features only: give it one process's mask."""
+    if not cuts:
+        return
+    for dropout in getattr(tuner, "lora_dropout", {}).values():
+        if type(dropout) is nn.Dropout and dropout.p > 0:
+            dropout.__class__ = _ShardedDropout
+            dropout.__dict__["_hp_cuts"] = cuts
 
 
 def _broadcast(param: nn.Parameter) -> torch.Tensor:

@@ -63,6 +63,13 @@ def parallelize(model: nn.Module, *, data_parallel: bool | None = None) -> nn.Mo
             refresh(model)
         return model
     bound_inside = [name for name, m in model.named_modules() if name and m.__dict__.get(BOUND)]
+    tops = [m for _, m in model.named_modules() if GRADS_ATTR in m.__dict__]
+    owned = {id(p) for top in tops for p in top.parameters()}
+    wrapper = registry.lowered_for(type(model)) is None and all(id(p) in owned for p in model.parameters())
+    if tops and wrapper:  # a plain wrapper (PEFT's PeftModel) of bound models, all its parameters theirs
+        for top in tops:
+            parallelize(top)  # re-binds what changed since
+        return model
     if bound_inside:
         raise ShardingError(
             f"{type(model).__qualname__}: its submodule {bound_inside[0]!r} was bound by an earlier "
