@@ -16,14 +16,16 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
+from hp_lazy.hook.after import when_imported
 from hp_lazy.hook.api import (
     Handle,
     PlanSpec,
     active_plan,
+    check_mesh,
     deactivate,
     install,
     load_plan,
@@ -38,9 +40,11 @@ if TYPE_CHECKING:
 
 __all__ = [
     "activate",
+    "clip_grad_norm_",
     "deactivate",
     "full_grads",
     "full_state_dict",
+    "gather_sequence",
     "mesh",
     "no_sync",
     "parallelize",
@@ -54,6 +58,8 @@ def activate(
     *,
     tp: int | None = None,
     sequence_parallel: bool = False,
+    cp: int | None = None,
+    cp_mode: str | None = None,
     data_parallel: bool = True,
     bucket_cap_mb: float = 25.0,
     cache_dir: str | os.PathLike[str] | None = None,
@@ -61,19 +67,30 @@ def activate(
     """Lower the modules ``plan`` names when they are imported from now on.
 
     ``plan``: a Plan, a dict, a path to a ``.json`` plan, or ``"auto"`` (transformers' own
-    ``base_model_tp_plan``; needs ``tp``). ``tp`` with an explicit plan overrides its mesh tp.
+    ``base_model_tp_plan``; needs ``tp`` or ``cp``). ``tp`` with an explicit plan overrides its mesh tp.
+    ``cp`` (``"auto"`` only): context parallel; every rank of a cp group passes the same full
+    batch, which the model splits along the sequence (``hp_lazy.gather_sequence`` joins outputs).
     With more ranks than the plan's degrees, the rest are data parallel: ``data_parallel=True``
     (the default) has hp_lazy average every gradient over them (bucketed, during backward);
     ``False`` leaves that to torch DDP or FSDP2 over ``hp_lazy.mesh().group("dp")``.
-    Activating again replaces the active plan.
+    Activating again replaces the active plan; the handle's exit (``with activate(...):``) puts
+    the replaced one back. One mesh per process: degrees other than those of a module already
+    lowered are a ``PlanError``.
     """
     if os.environ.get("HP_LAZY", "1").strip() == "0":
         logger.debug("hp_lazy: HP_LAZY=0, activate() does nothing")
         return Handle(plan=None)
-    resolved = load_plan(plan, tp=tp, sequence_parallel=sequence_parallel)
-    _set_runtime_options(data_parallel=data_parallel, bucket_cap_mb=bucket_cap_mb)
+    resolved = load_plan(plan, tp=tp, sequence_parallel=sequence_parallel, cp=cp, cp_mode=cp_mode)
     cache = Cache(None if cache_dir is None else os.fspath(cache_dir))
-    return install(resolved, cache=cache, lower=_lower, bind=_register, runtime=_runtime)
+    when_imported("accelerate.accelerator", _integrate_accelerate)  # before install: its finder stays first
+    when_imported("transformers.trainer", _integrate_trainer)
+    handle = install(resolved, cache=cache, lower=_lower, bind=_register, runtime=_runtime)
+    from hp_lazy.runtime import options
+
+    before = options.current()
+    options.set_current(options.RuntimeOptions(data_parallel=data_parallel, bucket_cap_mb=bucket_cap_mb))
+    handle.on_exit.append(lambda: options.set_current(before))
+    return handle
 
 
 def _lower(source: str, module_plan: Any, filename: str) -> Any:
@@ -94,11 +111,23 @@ def _runtime() -> ModuleType:
     return rt
 
 
-def _set_runtime_options(**values: Any) -> None:
-    """Run-time options live with the runtime (``runtime/options`` imports nothing heavy)."""
-    from hp_lazy.runtime import options
+def _integrate_accelerate(module: ModuleType) -> None:
+    """accelerate (and the transformers Trainer on it): see :mod:`hp_lazy.integrations.accelerate`."""
+    from hp_lazy.integrations import accelerate
 
-    options.set_current(options.RuntimeOptions(**values))
+    accelerate.install(module, degrees=_active_degrees)
+
+
+def _integrate_trainer(module: ModuleType) -> None:
+    """The Trainer's count of ranks sharing a batch: see :mod:`hp_lazy.integrations.transformers`."""
+    from hp_lazy.integrations import transformers
+
+    transformers.install(module, degrees=_active_degrees)
+
+
+def _active_degrees() -> dict[str, int] | None:
+    plan = active_plan()
+    return None if plan is None else dict(plan.mesh)
 
 
 def mesh() -> Mesh:
@@ -111,6 +140,7 @@ def mesh() -> Mesh:
     plan = active_plan()
     if plan is None:
         raise ShardingError("hp_lazy.mesh(): no plan is active; call hp_lazy.activate(plan) first")
+    check_mesh(plan, "hp_lazy.mesh()")
     return get_mesh(dict(plan.mesh))
 
 
@@ -133,6 +163,31 @@ def full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
     from hp_lazy.runtime.state import full_grads as gather
 
     return gather(model)
+
+
+def gather_sequence(tensor: torch.Tensor, dim: int = 1) -> torch.Tensor:
+    """Under context parallel, this rank's rows of a per-token output (``out.logits``, hidden
+    states) -> the whole sequence, in sequence order, on every rank of the cp group (a collective;
+    its backward keeps this rank's rows). Without cp, ``tensor`` itself."""
+    from hp_lazy.runtime.cp.gather import gather_sequence as gather
+
+    return gather(tensor, mesh().group("cp"), dim)
+
+
+def clip_grad_norm_(
+    parameters: torch.Tensor | Iterable[torch.Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` for a parallel model: the total norm (returned) is one
+    process's, every shard counted once over every axis; a collective. After ``parallelize`` the
+    stock ``torch.nn.utils.clip_grad_norm_`` and accelerate's ``clip_grad_norm_`` (the Trainer's)
+    route here for a bound model's parameters."""
+    from hp_lazy.runtime.clip import clip_grad_norm_ as clip
+
+    return clip(parameters, max_norm, norm_type, error_if_nonfinite, foreach)
 
 
 @contextlib.contextmanager

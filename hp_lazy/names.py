@@ -37,7 +37,14 @@ GRADS_ATTR = "_hp_grads"
 LEAF_INPUTS = "_hp_inputs"
 """Leaf modules: (input name, position) pairs their entry ops apply to."""
 VOCAB_RANGE = "_hp_vocab"
-"""Vocab-parallel embedding: ``(start, end, padding_idx)``, its rows and the vocabulary's padding id."""
+"""Vocab-parallel embedding: ``(start, end, vocab, padding_idx)``: its rows ``[start, end)``, the
+whole vocabulary's size and padding id."""
+CP_ENTRY = "_hp_cp_entry"
+"""Bound root's ``__dict__`` key: its context-parallel :class:`~hp_lazy.runtime.cp.entry.ContextEntry`."""
+INPUT_CHECK = "_hp_input_check"
+"""Bound root's ``__dict__`` key: its :class:`~hp_lazy.runtime.inputs.InputCheck`."""
+PATCHED = "_hp_patched"
+"""Class attribute on a training stack's class hp_lazy routed (accelerate's ``Accelerator``)."""
 LEAF = "_hp_leaf"
 """Module ``__dict__`` key: the leaf binding of a torch module hp_lazy runs (kept when PEFT wraps it)."""
 WATCH = "_hp_watch"
@@ -51,5 +58,6 @@ LAZY_INIT = "_infer_parameters"
 
 GENERATED: frozenset[str] = frozenset({RT, INFO, BINDING, FORM, OUT, CALL})
 ATTACHED: frozenset[str] = frozenset(
-    {BOUND, LAYOUT_ATTR, GRADS_ATTR, LEAF_INPUTS, VOCAB_RANGE, LEAF, WATCH, ADAPTER_HOOKS, LAZY_HOOK, LAZY_INIT}
+    {BOUND, LAYOUT_ATTR, GRADS_ATTR, LEAF_INPUTS, VOCAB_RANGE, INPUT_CHECK, CP_ENTRY, PATCHED,
+     LEAF, WATCH, ADAPTER_HOOKS, LAZY_HOOK, LAZY_INIT}
 )

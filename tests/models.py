@@ -14,6 +14,8 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama_tied": ("LlamaConfig", {"tie_word_embeddings": True}),
     # tp=4 > num_key_value_heads=2: each K/V head lives on two ranks
     "llama_gqa": ("LlamaConfig", {"num_key_value_heads": 2}),
+    # tp=2 > num_key_value_heads=1: the K/V head lives on both ranks (its gradient norm counted once)
+    "llama_mqa": ("LlamaConfig", {"num_key_value_heads": 1}),
     "qwen3": ("Qwen3Config", {"head_dim": 8}),
     # tied weights behind a scaled nn.Embedding subclass
     "gemma": ("GemmaConfig", {"head_dim": 8, "tie_word_embeddings": True}),
@@ -23,6 +25,17 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 MOE = ("qwen3_moe",)
+
+MORE_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    # layer 0 a sliding-window layer (window 6), layer 1 full attention; q/k norms; GQA
+    "qwen3_sliding": ("Qwen3Config", {"head_dim": 8, "num_key_value_heads": 2, "use_sliding_window": True,
+                                      "sliding_window": 6, "max_window_layers": 1,
+                                      "layer_types": ["sliding_attention", "full_attention"]}),
+    # dynamic RoPE rescales by the largest position seen: 16-token batches pass the 8 it was built for
+    "llama_dynamic": ("LlamaConfig", {"max_position_embeddings": 8,
+                                      "rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}}),
+}
+"""Models only some test modules use (the parity modules sweep :data:`CONFIGS`)."""
 """Not yet under sequence parallel (Plan.auto refuses it with a PlanError)."""
 
 BASE = dict(
@@ -45,7 +58,7 @@ def build(name: str, root: str, seed: int = 0) -> str:
     path = os.path.join(root, name)
     if os.path.exists(os.path.join(path, "config.json")):
         return path
-    config_cls, extra = CONFIGS[name]
+    config_cls, extra = CONFIGS[name] if name in CONFIGS else MORE_CONFIGS[name]
     config = getattr(transformers, config_cls)(**{**BASE, **extra})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config)

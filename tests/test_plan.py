@@ -261,7 +261,6 @@ def test_inner_and_region_are_validated_strictly(body: dict, expected: str) -> N
 @pytest.mark.parametrize(
     ("body", "expected"),
     [
-        ({"inner": {"call": "attention", "kind": "cp_allgather_kv"}}, "inner: kind 'cp_allgather_kv' (context parallel)"),
         ({"inner": {"call": "attention", "kind": "cp_ulysses"}}, "inner: kind 'cp_ulysses' (context parallel)"),
         ({"region": {"kind": "ep_dispatch"}}, "region: kind 'ep_dispatch' (expert parallel)"),
     ],
@@ -273,9 +272,20 @@ def test_unimplemented_inner_ops_and_regions_are_refused(body: dict, expected: s
     assert text == f"plan.boundaries['{ATTN}'].{expected} is not implemented yet in hp_lazy {hp_lazy.__version__}; remove the key"
 
 
+def test_the_allgather_inner_op_needs_a_cp_axis() -> None:
+    text = error_text(with_inner(inner={"call": "attention", "kind": "cp_allgather_kv"}))
+    assert text == (f"plan.boundaries['{ATTN}'].inner: kind 'cp_allgather_kv' splits the sequence over the cp axis, "
+                    "but plan.mesh {'tp': 2} has no cp above 1; add \"cp\": N to plan.mesh or remove the inner op")
+    data = with_inner(inner={"call": "attention", "kind": "cp_allgather_kv"})
+    data["mesh"] = {"cp": 2, "tp": 2}
+    attn = next(c for c in Plan.from_dict(data).boundaries if c.pattern == ATTN)
+    assert attn.inner == InnerOp(call="attention", kind="cp_allgather_kv")
+
+
 def test_implemented_kinds_are_one_table(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(plan_model, "IMPLEMENTED", frozenset({"cp_allgather_kv", "ep_dispatch"}))
     data = with_inner(inner={"call": "attention", "kind": "cp_allgather_kv"}, region={"kind": "ep_dispatch"})
+    data["mesh"] = {"cp": 2, "tp": 2}
     plan = Plan.from_dict(data)
     attn = next(c for c in plan.boundaries if c.pattern == ATTN)
     assert attn.inner == InnerOp(call="attention", kind="cp_allgather_kv")

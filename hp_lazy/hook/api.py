@@ -5,7 +5,13 @@
 ``HP_LAZY_DEBUG=1`` logs one line per lowered module (hit/miss, ms, key) to stderr.
 
 Modules imported before ``activate`` stay as they are; deactivating leaves lowered modules lowered
-and only restores how *later* imports behave.
+and only restores how *later* imports behave. Activations nest: a handle's exit (``with
+activate(...)``) puts back the plan that was active when it was made, if that one is still open.
+
+One mesh per process: a module is lowered once, under one plan's degrees, and models built from
+it bind on that mesh, so activating a plan with other degrees than a module already lowered is a
+``PlanError``, and :func:`check_mesh` lets ``hp_lazy.mesh()`` refuse to report a mesh the lowered
+modules do not use.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import os
 import sys
 import threading
 import warnings
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import ModuleType, TracebackType
@@ -30,7 +37,7 @@ from hp_lazy.hook.finder import (
     missing_modules,
     remove_remote_code_view,
 )
-from hp_lazy.hook.loader import BindFn, HookState, LowerFn
+from hp_lazy.hook.loader import BindFn, HookState, LoweredInfo, LowerFn, plan_mesh
 from hp_lazy.plan import Plan
 from hp_lazy.plan.fqn import shown
 from hp_lazy.plan.parse import check_degree
@@ -51,18 +58,24 @@ class AlreadyImportedWarning(UserWarning):
 
 @dataclass
 class Handle:
-    """The result of :func:`activate`; a context manager whose exit deactivates."""
+    """The result of :func:`activate`; a context manager whose exit deactivates it and puts back
+    the activation it replaced (if that one is still open)."""
 
     plan: Plan | None
     finder: HpLazyFinder | None = field(default=None, repr=False)
+    previous: HpLazyFinder | None = field(default=None, repr=False)
+    on_exit: list[Callable[[], None]] = field(default_factory=list, repr=False)
 
     @property
     def active(self) -> bool:
         return self.finder is not None and self.finder in sys.meta_path
 
     def deactivate(self) -> None:
-        if self.finder is not None:
-            _remove(self.finder)
+        if self.finder is None or self.finder in _CLOSED:
+            return
+        _remove(self.finder, restore=self.previous)
+        for callback in reversed(self.on_exit):
+            callback()
 
     def __enter__(self) -> Handle:
         return self
@@ -75,14 +88,21 @@ class Handle:
 
 _LOCK = threading.Lock()
 _ACTIVE: HpLazyFinder | None = None
+_CLOSED: weakref.WeakSet[HpLazyFinder] = weakref.WeakSet()
+"""Finders whose activation was ended: never put back."""
 
 
 def deactivate() -> None:
-    """Remove the active finder (if any); later imports are plain again."""
+    """End every activation (nested ones included); later imports are plain again."""
+    global _ACTIVE
     with _LOCK:
-        finder = _ACTIVE
-    if finder is not None:
-        _remove(finder)
+        for finder in [f for f in sys.meta_path if isinstance(f, HpLazyFinder)]:
+            _detach(finder)
+            _CLOSED.add(finder)
+        if _ACTIVE is not None:
+            _detach(_ACTIVE)
+            _CLOSED.add(_ACTIVE)
+        _ACTIVE = None
 
 
 def active_plan() -> Plan | None:
@@ -116,25 +136,36 @@ def install(
     )
     matcher = NameMatcher(plan.modules)
     _check_modules_exist(plan)
+    _check_lowered_mesh(plan)
     _check_already_imported(plan, matcher)
     finder = HpLazyFinder(state, matcher)
     with _LOCK:
-        if _ACTIVE is not None:
-            _detach(_ACTIVE)
-        sys.meta_path.insert(0, finder)
+        previous = _ACTIVE
+        if previous is not None:
+            _detach(previous)
+        _attach(finder)
         _ACTIVE = finder
+    return Handle(plan=plan, finder=finder, previous=previous)
+
+
+def _attach(finder: HpLazyFinder) -> None:
+    sys.meta_path.insert(0, finder)
     dmu = sys.modules.get(DYNAMIC_MODULE_UTILS)
     if dmu is not None:
         install_remote_code_view(dmu, finder)
-    return Handle(plan=plan, finder=finder)
 
 
-def _remove(finder: HpLazyFinder) -> None:
+def _remove(finder: HpLazyFinder, *, restore: HpLazyFinder | None = None) -> None:
+    """End ``finder``'s activation; if it is the active one, put ``restore`` back (when still open)."""
     global _ACTIVE
     with _LOCK:
         _detach(finder)
+        _CLOSED.add(finder)
         if _ACTIVE is finder:
             _ACTIVE = None
+            if restore is not None and restore not in _CLOSED:
+                _attach(restore)
+                _ACTIVE = restore
 
 
 def _detach(finder: HpLazyFinder) -> None:
@@ -144,19 +175,30 @@ def _detach(finder: HpLazyFinder) -> None:
 
 
 # -- plans ---------------------------------------------------------------------------------------
-def load_plan(plan: PlanSpec, *, tp: int | None = None, sequence_parallel: bool = False) -> Plan:
+def load_plan(
+    plan: PlanSpec, *, tp: int | None = None, sequence_parallel: bool = False, cp: int | None = None,
+    cp_mode: str | None = None,
+) -> Plan:
     """A Plan from any accepted form (shared by ``activate`` and the CLI): a Plan, a dict, JSON text or
     the path of a JSON file (:func:`hp_lazy.plan.plan.read_json`), or ``"auto"``. Bad input of any
     kind is a ``PlanError``."""
     if tp is not None:
         check_degree(f"activate(tp={shown(tp)})", tp, "tp=2")
     if isinstance(plan, str) and plan == "auto":
+        if tp is None and cp is not None:
+            tp = 1
         if tp is None:
             raise PlanError(
                 "activate('auto'): tp is not given; the auto plan needs the tensor-parallel "
                 "degree; pass tp=N, e.g. hp_lazy.activate('auto', tp=2)"
             )
-        return Plan.auto(tp=tp, sequence_parallel=sequence_parallel)
+        return Plan.auto(tp=tp, sequence_parallel=sequence_parallel, cp=1 if cp is None else cp,
+                         cp_mode=cp_mode or "allgather")
+    if cp is not None or cp_mode is not None:
+        raise PlanError(
+            f"activate({shown(plan, limit=60)}): cp= and cp_mode= apply to the 'auto' plan only; an explicit plan "
+            "states cp in its mesh and the inner op on its attention boundaries; drop the arguments"
+        )
     if sequence_parallel:
         raise PlanError(
             f"activate({shown(plan, limit=60)}): sequence_parallel=True applies to the 'auto' plan only; "
@@ -212,15 +254,62 @@ def _check_modules_exist(plan: Any) -> None:
     warnings.warn(message, MissingModuleWarning, stacklevel=3)
 
 
+# -- one mesh per process ----------------------------------------------------------------------
+def lowered_modules() -> dict[str, LoweredInfo]:
+    """Every module hp_lazy lowered in this process that is still imported."""
+    found = {}
+    for name, module in list(sys.modules.items()):
+        info = getattr(module, "__hp_lazy__", None) if module is not None else None
+        if isinstance(info, LoweredInfo):
+            found[name] = info
+    return found
+
+
+def _mesh_text(mesh: tuple[tuple[str, int], ...]) -> str:
+    return "{" + ", ".join(f"{axis}: {n}" for axis, n in mesh) + "}"
+
+
+def check_mesh(plan: Any, what: str) -> None:
+    """Refuse ``plan`` when a module already lowered in this process was lowered with other degrees."""
+    wanted = plan_mesh(plan)
+    other = {n: info.mesh for n, info in lowered_modules().items() if info.mesh and info.mesh != wanted}
+    if not other:
+        return
+    name, mesh = sorted(other.items())[0]
+    more = f" (and {len(other) - 1} more)" if len(other) > 1 else ""
+    raise PlanError(
+        f"{what}: the plan's mesh is {_mesh_text(wanted)} but {name}{more} was already lowered in this process "
+        f"under {_mesh_text(mesh)}, and the models built from it bind on that mesh; a module is lowered once per "
+        "process, so keep one mesh per process (activate the same degrees again, or start a fresh process "
+        "for another mesh)"
+    )
+
+
+def _check_lowered_mesh(plan: Any) -> None:
+    check_mesh(plan, f"activate(mesh={_mesh_text(plan_mesh(plan))})")
+
+
 # -- already-imported targets ------------------------------------------------------------------
 def _check_already_imported(plan: Any, matcher: NameMatcher) -> None:
-    names = sorted(n for n in list(sys.modules) if matcher(n) and _declares_plan(plan, sys.modules[n]))
-    if not names:
+    hits = {n: sys.modules[n] for n in list(sys.modules) if matcher(n) and _declares_plan(plan, sys.modules[n])}
+    plain = sorted(n for n, m in hits.items() if not isinstance(getattr(m, "__hp_lazy__", None), LoweredInfo))
+    earlier = sorted(n for n in hits if n not in plain)
+    messages = []
+    if plain:
+        messages.append(
+            f"hp_lazy: {', '.join(plain)} imported before hp_lazy.activate(); "
+            f"{'it' if len(plain) == 1 else 'they'} will not be lowered; {_FIX}"
+        )
+    if earlier:
+        messages.append(
+            f"hp_lazy: {', '.join(earlier)} {'was' if len(earlier) == 1 else 'were'} lowered under an earlier "
+            f"hp_lazy.activate() plan and {'stays' if len(earlier) == 1 else 'stay'} lowered under it (models "
+            "built from it bind with that plan's contracts); this plan applies to modules imported from now on; "
+            "activate one plan per process, or start a fresh process"
+        )
+    if not messages:
         return
-    message = (
-        f"hp_lazy: {', '.join(names)} imported before hp_lazy.activate(); "
-        f"{'it' if len(names) == 1 else 'they'} will not be lowered; {_FIX}"
-    )
+    message = " / ".join(messages)
     if os.environ.get("HP_LAZY_STRICT", "0").strip() not in ("", "0"):
         raise PlanError(message)
     warnings.warn(message, AlreadyImportedWarning, stacklevel=3)

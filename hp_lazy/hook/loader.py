@@ -55,6 +55,13 @@ class LoweredInfo:
     slice_ms: float
     """Of which ``plan.slice``; for ``auto`` it includes importing the model's config module,
     which the module's own imports would otherwise pay."""
+    mesh: tuple[tuple[str, int], ...] = ()
+    """The degrees of the plan it was lowered under (its models bind on that mesh)."""
+
+
+def plan_mesh(plan: Any) -> tuple[tuple[str, int], ...]:
+    """A plan's degrees as sorted pairs (``()`` for a plan without a mesh)."""
+    return tuple(sorted(dict(getattr(plan, "mesh", None) or {}).items()))
 
 
 @dataclass(frozen=True)
@@ -132,6 +139,7 @@ class HpLazyLoader(SourceFileLoader):
             hit=hit,
             ms=round((time.perf_counter() - start) * 1000.0, 3),
             slice_ms=round(slice_ms, 3),
+            mesh=plan_mesh(self._state.plan),
         )
         logger.debug(
             "hp_lazy: %s %s %.2fms key=%s %s",

@@ -25,12 +25,13 @@ string, and pointing at an explicit JSON plan.
 
 from __future__ import annotations
 
+import ast
 import re
 from typing import NoReturn
 
 from hp_lazy.errors import PlanError
 from hp_lazy.plan.auto_rules import FIX, Rule, base_rules, config_plans, head_rules
-from hp_lazy.plan.model import AutoFlags, Contract
+from hp_lazy.plan.model import CP_MODES, AutoFlags, Contract
 from hp_lazy.plan.parse import contract_from_dict
 from hp_lazy.plan.resolve import ModuleFacts, analyze, forward_params
 
@@ -78,7 +79,8 @@ class _Builder:
         self.classes: dict[str, str] = {}  # pattern -> class, where its slot holds several classes
         self.moe: set[tuple[str, str]] = set()  # (base, key) of moe_tp_experts modules
         self.facts = facts
-        self.mesh = {"tp": flags.tp}
+        self.mesh = {"tp": flags.tp, **({"cp": flags.cp} if flags.cp > 1 else {})}
+        self.inner = {"call": "attention", "kind": CP_MODES[flags.cp_mode]} if flags.cp > 1 else None
         self.sp = flags.sequence_parallel
         self.loss_parallel = flags.loss_parallel
         self.bodies: dict[str, tuple[dict, str]] = {}
@@ -294,10 +296,19 @@ class _Builder:
                "out_src": {"output": {"tp": "P(sum)"}}, "out_dst": {"output": {"tp": dst}}, "params": body["params"]}
         for extra in self._cross_inputs(name, x):  # cross-attention: also projected by the colwise k/v
             out["in_src"][extra] = out["in_dst"][extra] = {"tp": "R"}
+        if self.inner is not None and self._calls_attention(name):
+            out["inner"] = dict(self.inner)
         for field in ("deferred_bias_params", "grad_sum_params", "optional_params"):
             if body[field]:
                 out[field] = sorted(body[field])
         return out
+
+    def _calls_attention(self, name: str) -> bool:
+        """Its forward dispatches through transformers' attention interface (context parallel's call site)."""
+        forward = self.facts.forward(name)
+        return forward is not None and any(
+            isinstance(node, ast.Name) and node.id == "ALL_ATTENTION_FUNCTIONS" for node in ast.walk(forward)
+        )
 
     def _check_nesting(self) -> None:
         patterns = sorted(self.bodies)

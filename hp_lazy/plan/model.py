@@ -40,8 +40,10 @@ INNER_KINDS: Mapping[str, str] = MappingProxyType(
     {"cp_allgather_kv": "context parallel", "cp_ulysses": "context parallel"}
 )
 REGION_KINDS: Mapping[str, str] = MappingProxyType({"ep_dispatch": "expert parallel"})
-IMPLEMENTED: frozenset[str] = frozenset()
-"""Inner-op and region kinds hp_lazy lowers and runs. CP/EP work adds its kinds here."""
+IMPLEMENTED: frozenset[str] = frozenset({"cp_allgather_kv"})
+"""Inner-op and region kinds hp_lazy lowers and runs (``cp_ulysses`` and ``ep_dispatch`` are not yet)."""
+CP_MODES: Mapping[str, str] = MappingProxyType({"allgather": "cp_allgather_kv", "ulysses": "cp_ulysses"})
+"""``Plan.auto(cp_mode=...)`` -> the inner-op kind it puts on attention boundaries."""
 
 
 def canonical_json(data: object) -> str:
@@ -125,6 +127,12 @@ class Contract:
             value = getattr(self, name)
             object.__setattr__(self, name, _frozen({k: _frozen(v) for k, v in value.items()}))
 
+    @property
+    def axes(self) -> frozenset[str]:
+        """The mesh axes any of its placements names."""
+        sides = (self.in_src, self.in_dst, self.out_src, self.out_dst, self.params)
+        return frozenset(axis for side in sides for axes in side.values() for axis in axes)
+
     def placement(self, side: str, name: str, axis: str) -> Placement:
         """``side`` in in_src/in_dst/out_src/out_dst/params; a missing entry or axis is ``R``."""
         return getattr(self, side).get(name, {}).get(axis, REPLICATE)
@@ -174,9 +182,15 @@ class AutoFlags:
     """Keep the logits vocab-sharded and compute the loss from the shards."""
     vocab_parallel_embedding: bool = True
     """False: keep ``embed_tokens`` replicated (not possible when tied to a sharded lm_head)."""
+    cp: int = 1
+    """Context-parallel degree: attention boundaries get the inner op of ``cp_mode``."""
+    cp_mode: str = "allgather"
 
     def to_dict(self) -> dict[str, object]:
-        return asdict(self)
+        out = asdict(self)
+        if self.cp == 1:  # plans without cp keep the JSON (and hash) they always had
+            del out["cp"], out["cp_mode"]
+        return out
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -24,6 +24,8 @@ from hp_lazy.errors import PlanError
 from hp_lazy.names import RESERVED_PREFIXES
 from hp_lazy.plan.fqn import check_glob, is_glob, shown
 from hp_lazy.plan.model import (
+    CP_MODES,
+    IMPLEMENTED,
     INNER_CALLS,
     INNER_KINDS,
     REGION_KINDS,
@@ -48,7 +50,7 @@ CONTRACT_KEYS = (
 )
 INNER_KEYS = ("call", "kind")
 REGION_KEYS = ("kind",)
-AUTO_KEYS = ("tp", "sequence_parallel", "loss_parallel", "vocab_parallel_embedding")
+AUTO_KEYS = ("tp", "sequence_parallel", "loss_parallel", "vocab_parallel_embedding", "cp", "cp_mode")
 AUTO_MODULES = ("transformers.models.*.modeling_*",)
 MAX_NAME_CHARS = 256
 """The longest name (pattern, param, input, module, class) a plan may hold."""
@@ -231,6 +233,11 @@ def contract_from_dict(pattern: str, data: object, mesh: Mapping[str, int]) -> C
     )
     _check_deferred_biases(where, contract)
     check_implemented(where, contract)
+    if contract.inner is not None and contract.inner.kind.startswith("cp_") and mesh.get("cp", 1) < 2:
+        raise PlanError(
+            f"{where}.inner: kind {contract.inner.kind!r} splits the sequence over the cp axis, but plan.mesh "
+            f"{dict(mesh)} has no cp above 1; add \"cp\": N to plan.mesh or remove the inner op"
+        )
     return contract
 
 
@@ -305,7 +312,19 @@ def parse_auto(data: object) -> AutoFlags:
         flags[name] = body.get(name, default)
         if not isinstance(flags[name], bool):
             raise PlanError(f"plan.auto.{name}: {shown(flags[name])} is not true/false; fix the plan")
-    return AutoFlags(tp=tp, **flags)
+    cp = check_degree("plan.auto.cp", body.get("cp", 1), "cp=2")
+    mode = one_of("plan.auto.cp_mode", "mode", body.get("cp_mode", "allgather"), CP_MODES)
+    if CP_MODES[mode] not in IMPLEMENTED:
+        raise PlanError(
+            f"plan.auto.cp_mode: {mode!r} (inner op {CP_MODES[mode]!r}) is not implemented yet; use "
+            f"cp_mode='allgather' (K/V all-gathered along the sequence)"
+        )
+    if cp > 1 and flags["sequence_parallel"]:
+        raise PlanError(
+            f"plan.auto: cp={cp} together with sequence_parallel is not supported yet (the sequence would be cut "
+            "twice); use tp with cp and sequence_parallel=False"
+        )
+    return AutoFlags(tp=tp, **flags, cp=cp, cp_mode=mode)
 
 
 def _refuse_injections(body: Mapping[str, Any]) -> None:
@@ -318,6 +337,10 @@ def _refuse_injections(body: Mapping[str, Any]) -> None:
         )
 
 
+def _auto_mesh(auto: AutoFlags) -> dict[str, int]:
+    return {"tp": auto.tp, **({"cp": auto.cp} if auto.cp > 1 else {})}
+
+
 def plan_fields(data: object) -> PlanFields:
     """Validate and normalise a plan given as JSON data: the fields of ``Plan(...)``."""
     if isinstance(data, Mapping):
@@ -327,9 +350,11 @@ def plan_fields(data: object) -> PlanFields:
     if isinstance(version, bool) or not isinstance(version, int) or version != 1:
         raise PlanError(f"plan.version: {shown(version)} is not a supported version; use 1")
     auto = parse_auto(body["auto"]) if "auto" in body else None
-    mesh = _parse_mesh(body.get("mesh", {"tp": auto.tp} if auto else None))
+    mesh = _parse_mesh(body.get("mesh", _auto_mesh(auto) if auto else None))
     if auto is not None and mesh.get("tp") != auto.tp:
         raise PlanError(f"plan.mesh: tp={mesh.get('tp')!r} differs from plan.auto.tp={auto.tp}; make them equal")
+    if auto is not None and mesh.get("cp", 1) != auto.cp:
+        raise PlanError(f"plan.mesh: cp={mesh.get('cp', 1)!r} differs from plan.auto.cp={auto.cp}; make them equal")
     modules = _parse_modules(body.get("modules", list(AUTO_MODULES) if auto else None))
     raw = body.get("boundaries", {})
     if not isinstance(raw, Mapping):

@@ -57,7 +57,7 @@ class Plan:
     @classmethod
     def auto(
         cls, tp: int = 2, sequence_parallel: bool = False, loss_parallel: bool = False,
-        vocab_parallel_embedding: bool = True,
+        vocab_parallel_embedding: bool = True, cp: int = 1, cp_mode: str = "allgather",
     ) -> Plan:
         """Contracts derived from transformers' own ``base_model_tp_plan`` (and the model classes'
         ``_tp_plan``) when each ``transformers.models.<x>.modeling_<x>`` is imported.
@@ -66,10 +66,14 @@ class Plan:
         ``vocab_parallel_embedding=False``: keep ``embed_tokens`` replicated (one all-reduce less
         per forward, the embedding's memory on every rank); not possible when it is tied to a
         sharded lm_head.
+        ``cp``: context-parallel degree (the sequence split over ``cp`` ranks; world = dp * cp * tp);
+        every attention boundary gets the inner op of ``cp_mode`` (``"allgather"``: K/V all-gathered).
         """
-        flags = {"tp": tp, "sequence_parallel": sequence_parallel, "loss_parallel": loss_parallel,
-                 "vocab_parallel_embedding": vocab_parallel_embedding}
-        return cls.from_dict({"version": 1, "mesh": {"tp": tp}, "auto": flags})
+        flags: dict[str, Any] = {"tp": tp, "sequence_parallel": sequence_parallel, "loss_parallel": loss_parallel,
+                                 "vocab_parallel_embedding": vocab_parallel_embedding}
+        if cp != 1 or cp_mode != "allgather":
+            flags.update(cp=cp, cp_mode=cp_mode)
+        return cls.from_dict({"version": 1, "auto": flags})
 
     def to_dict(self) -> dict[str, Any]:
         """The normalised JSON data; ``Plan.from_dict(p.to_dict()) == p``."""

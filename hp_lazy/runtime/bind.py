@@ -19,6 +19,7 @@ from __future__ import annotations
 import re
 import weakref
 from collections.abc import Iterator
+from typing import Any
 
 import torch.distributed as dist
 from torch import nn
@@ -29,8 +30,9 @@ from hp_lazy.names import BINDING, BOUND, FORM, GRADS_ATTR, LAYOUT_ATTR, WATCH
 from hp_lazy.plan.fqn import compile_glob
 from hp_lazy.plan.model import Contract, ModulePlan
 from hp_lazy.plan.placement import Partial, Shard
-from hp_lazy.runtime import adapters, leaves, options, registry
+from hp_lazy.runtime import adapters, clip, inputs, leaves, options, registry
 from hp_lazy.runtime.binding import Binding, compile_ops
+from hp_lazy.runtime.cp.style import ContextParallelStyle
 from hp_lazy.runtime.grads import GradOwner, rules_for
 from hp_lazy.runtime.layout import LayoutTable, ParamLayout, plan_layout, shard_in_place
 from hp_lazy.runtime.mesh import Mesh, get_mesh
@@ -46,7 +48,7 @@ from hp_lazy.runtime.tp.style import TensorParallelStyle
 
 __all__ = ["STYLES", "parallelize", "refresh"]
 
-STYLES: dict[str, type] = {"tp": TensorParallelStyle}
+STYLES: dict[str, type] = {"tp": TensorParallelStyle, "cp": ContextParallelStyle}
 """Mesh axis -> its parallelism's style (a new parallelism adds its room and one entry here)."""
 
 
@@ -83,15 +85,27 @@ def parallelize(model: nn.Module, *, data_parallel: bool | None = None) -> nn.Mo
             f"{type(model).__module__} is not in the active plan); call hp_lazy.activate(plan) before "
             "importing the modeling module"
         )
+    meshes = [get_mesh(dict(lowered.plan.mesh)) for _, _, lowered in roots]  # a collective, once
+    contexts: list[tuple[str, BindContext]] = []
+    failure: BaseException | None = None
+    try:
+        for (prefix, root, lowered), mesh in zip(roots, meshes, strict=True):
+            contexts.append((prefix, _bind_root(root, lowered, mesh)))
+    except Exception as exc:  # agreed on below, then raised on every rank
+        failure = exc
+    _agree(model, roots, failure)
     table: LayoutTable | None = None
     partial: dict[str, tuple[str, int, int]] = {}
     names = {id(p): n for n, p in model.named_parameters()}
-    for prefix, root, lowered in roots:
-        ctx = _bind_root(root, lowered)
+    for prefix, ctx in contexts:
         table = _merge_table(table, ctx, prefix)
         partial.update({names[pid]: rule for pid, rule in ctx.partial.items() if pid in names})
-    _own_gradients(model, ctx.mesh, partial, data_parallel)
+    _own_gradients(model, meshes[0], partial, data_parallel)
+    for (_, root, _), mesh in zip(roots, meshes, strict=True):
+        inputs.install(root, mesh.group_of(("cp", "tp")))
     model.__dict__[LAYOUT_ATTR] = table
+    clip.register(model)
+    clip.install()  # torch's clip_grad_norm_ on this model's gradients: one process's norm
     for module in model.modules():
         if registry.lowered_for(type(module)) is not None:
             module.__dict__[BOUND] = True
@@ -192,12 +206,11 @@ def _outermost_roots(model: nn.Module) -> Iterator[tuple[str, nn.Module, registr
         yield name, module, found[0]
 
 
-def _bind_root(root: nn.Module, lowered: registry.Lowered) -> BindContext:
+def _bind_root(root: nn.Module, lowered: registry.Lowered, mesh: Mesh) -> BindContext:
+    """Everything rank-local of binding one root (no collective: see :func:`_agree`)."""
     plan = lowered.plan
-    mesh = get_mesh(dict(plan.mesh))
     groups = {axis: mesh.group(axis) for axis in plan.mesh}
     ctx = BindContext(root=root, plan=plan, mesh=mesh, groups=groups, table=LayoutTable(groups))
-    _check_ranks_agree(lowered, root)
     ctx.bound = _match(root, lowered)
     in_contract = {id(m) for _, m, _ in ctx.bound}
     for module in root.modules():
@@ -214,6 +227,11 @@ def _bind_root(root: nn.Module, lowered: registry.Lowered) -> BindContext:
         )
     styles: list[ParallelStyle] = [STYLES[a]() for a, g in groups.items() if g.size > 1 and a in STYLES]
     for fqn, module, contract in ctx.bound:
+        if all(ctx.groups[axis].size == 1 for axis in contract.axes):  # e.g. tp=1 under cp: runs as written
+            for style in styles:
+                style.validate(fqn, module, contract, ctx)
+            setattr(module, BINDING, None)
+            continue
         _bind_boundary(fqn, module, contract, ctx, styles)
     for style in styles:
         style.gradients(ctx)
@@ -404,17 +422,39 @@ def _check_shards_covered(ctx: BindContext) -> None:
                 )
 
 
-def _check_ranks_agree(lowered: registry.Lowered, root: nn.Module) -> None:
-    """Every rank must have lowered the same plan and source: fail loudly instead of hanging later."""
+def _agree(
+    model: nn.Module, roots: list[tuple[str, nn.Module, registry.Lowered]], failure: BaseException | None
+) -> None:
+    """One all-gather over the world of what each rank lowered and whether its binding failed.
+
+    Binding is rank-local up to here, so a rank that failed has not left its peers inside a
+    collective: every rank learns the outcome and raises. When every rank failed, each raises its
+    own error (they are the same plan on the same model); when only some did, every rank raises
+    one :class:`ShardingError` naming them. Different plans or sources on different ranks are
+    refused here too, before anything runs on the wire.
+    """
     if not dist.is_initialized() or dist.get_world_size() == 1:
+        if failure is not None:
+            raise failure
         return
-    mine = (lowered.module, lowered.plan.plan_hash[:16], lowered.plan.hash[:16], lowered.source_sha256[:16])
-    everyone: list[object] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    differ = [(rank, other) for rank, other in enumerate(everyone) if other != mine]
+    lowered = [(lw.module, lw.plan.plan_hash[:16], lw.plan.hash[:16], lw.source_sha256[:16]) for _, _, lw in roots]
+    told = None if failure is None else f"{type(failure).__name__}: {str(failure)[:800]}"
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (lowered, told))
+    differ = [(rank, theirs) for rank, (theirs, _) in enumerate(everyone) if theirs != lowered]
     if differ:
         raise ShardingError(
-            f"{type(root).__qualname__}: rank {dist.get_rank()} lowered {mine} (module, plan hash, slice hash, "
+            f"{type(model).__qualname__}: rank {dist.get_rank()} lowered {lowered} (module, plan hash, slice hash, "
             f"source sha256) but ranks {[r for r, _ in differ]} lowered {[o for _, o in differ]}; activate the same "
             "plan on every rank and install the same transformers version everywhere"
         )
+    failed = [(rank, text) for rank, (_, text) in enumerate(everyone) if text is not None]
+    if not failed:
+        return
+    if failure is not None and len(failed) == len(everyone):
+        raise failure
+    raise ShardingError(
+        f"{type(model).__qualname__}: binding failed on rank(s) {[r for r, _ in failed]} of {len(everyone)} "
+        f"(rank {failed[0][0]}: {failed[0][1]}); every rank raises this error so that none waits in a collective "
+        "for the failed ones; fix the cause on those ranks (every rank must build the same model and plan)"
+    ) from failure

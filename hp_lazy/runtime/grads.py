@@ -233,6 +233,10 @@ class BucketReducer:
     def launches_per_step(self) -> int:
         return len(self.buckets)
 
+    def unreduced(self) -> list[str]:
+        """Parameters holding a contribution not reduced yet (accumulated under ``no_sync``)."""
+        return [entry.fqn for bucket in self.buckets for entry in bucket.entries if entry.in_window]
+
     def check_params(self, root: nn.Module) -> None:
         """One parameter per bucket (FSDP2 may wrap only some layers): a few lookups per forward."""
         for bucket in self.buckets:
@@ -292,6 +296,9 @@ class EagerSums:
 
     launches_per_step = 0
 
+    def unreduced(self) -> list[str]:
+        return []  # the partial sums run inside every backward; dp is DDP's or FSDP2's
+
 
 def _summed(grad: torch.Tensor, rule: GradRule, group: Group) -> torch.Tensor:
     stack = grad.new_zeros((rule.slots, grad.numel()))
@@ -313,6 +320,7 @@ class GradOwner:
         bucket_cap_mb: float = 25.0,
     ) -> None:
         self.rules = dict(rules)
+        self.mesh = mesh
         self.data_parallel = data_parallel
         params = dict(root.named_parameters())
         entries = [_Entry(fqn=fqn, param=params[fqn], rule=rule) for fqn, rule in self.rules.items()]
@@ -346,6 +354,10 @@ class GradOwner:
             handle.remove()
         self.reducer.handles.clear()
 
+    def unreduced(self) -> list[str]:
+        """FQNs whose gradient holds contributions not reduced yet (``no_sync`` accumulation)."""
+        return self.reducer.unreduced()
+
     def check(self, root: nn.Module) -> None:
         """Before a forward: nobody else reduces what this owner reduces (run by the root prologue).
 
@@ -376,13 +388,15 @@ def rules_for(
 ) -> dict[str, GradRule]:
     """Every trainable parameter's rule: ``partial`` maps FQN -> (axis, slots, slot) for the
     parameters whose gradient is a partial sum over an axis (from the styles); dp averaging is
-    added to every parameter when hp_lazy owns dp."""
+    added to every parameter when hp_lazy owns dp, and a sum over cp under context parallel."""
     dp = mesh.degree("dp") if data_parallel else 1
     rules: dict[str, GradRule] = {}
     for fqn, param in root.named_parameters():
         if not param.requires_grad:
             continue
         axes: tuple[str, ...] = ("dp",) if dp > 1 else ()
+        if mesh.degree("cp") > 1:  # each cp rank's backward gives its own tokens' part: summed
+            axes = (*axes, "cp")
         slots, slot = 1, 0
         if fqn in partial:
             axis, slots, slot = partial[fqn]

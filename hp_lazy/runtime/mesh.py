@@ -10,9 +10,14 @@ the ep group of a rank is its run of ``ep`` consecutive ranks among those with i
 :meth:`Mesh.group_of` gives the group spanning several axes at once (the gradient owner sums a
 partial gradient over ``("dp", "tp")`` in one all-reduce).
 
-Building a mesh is a collective (``init_device_mesh`` creates sub-groups): every rank must call
+Building a mesh is a collective (it creates one process group per axis): every rank must call
 :func:`get_mesh` with the same degrees, in the same order relative to other collectives. At world
 size 1 with every degree 1 no process group is needed and none is created.
+
+Every process group hp_lazy creates (the default group when it initialises it from the env, each
+axis's group, the gradient owner's dedicated groups) has a finite timeout,
+``HP_LAZY_PG_TIMEOUT_S`` seconds (default 600): a rank that fails or never arrives makes its
+peers' next collective raise within that bound instead of torch's 30-minute default.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import TYPE_CHECKING
 
 import torch
@@ -38,6 +44,8 @@ WORLD_AXES: tuple[str, ...] = ("dp", "cp", "tp")
 """The axes that factor the world, outermost first (the device mesh dims)."""
 
 _ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+TIMEOUT_ENV = "HP_LAZY_PG_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 600
 _MESHES: dict[tuple[tuple[str, int], ...], Mesh] = {}
 
 
@@ -87,12 +95,29 @@ def ensure_process_group(wanted: int = 1) -> int:
     return dist.get_world_size()
 
 
+def pg_timeout() -> timedelta:
+    """The timeout of the process groups hp_lazy creates: ``HP_LAZY_PG_TIMEOUT_S`` seconds."""
+    raw = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not raw:
+        return timedelta(seconds=DEFAULT_TIMEOUT_S)
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds < 10**7:
+        raise ShardingError(
+            f"hp_lazy: {TIMEOUT_ENV}={raw[:40]!r} is not a positive number of seconds below 10**7; "
+            f"set e.g. {TIMEOUT_ENV}=600 (the default) or unset it"
+        )
+    return timedelta(seconds=seconds)
+
+
 def _init_from_env() -> None:
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend="nccl")
+        dist.init_process_group(backend="nccl", timeout=pg_timeout())
     else:
-        dist.init_process_group(backend="gloo")
+        dist.init_process_group(backend="gloo", timeout=pg_timeout())
 
 
 def mesh_shape(degrees: Mapping[str, int], world: int) -> tuple[tuple[str, int], ...]:
@@ -221,7 +246,7 @@ class Mesh:
         if reuse_world and len(runs) == 1 and len(runs[0]) == self.world:
             pg = dist.group.WORLD
         else:
-            pg, _ = dist.new_subgroups_by_enumeration(runs)
+            pg, _ = dist.new_subgroups_by_enumeration(runs, timeout=pg_timeout())
         mine = next(run for run in runs if me in run)
         name = "+".join(a for a in axes if a != "dedicated")
         group = Group(axis=name, pg=pg, size=len(mine), rank=mine.index(me))
@@ -247,12 +272,20 @@ def get_mesh(degrees: Mapping[str, int]) -> Mesh:
 
 
 def _build(shape: tuple[tuple[str, int], ...], world: int, ep: int) -> Mesh:
+    """One process group per axis, with :func:`pg_timeout` (``init_device_mesh`` would give its
+    groups torch's 30-minute default), wrapped as a named torch ``DeviceMesh``."""
     if not shape:
         return Mesh(shape=shape, world=world, ep=ep)
-    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import DeviceMesh
 
+    ranks = torch.arange(world).reshape(tuple(n for _, n in shape))
+    groups = []
+    for dim, (_, n) in enumerate(shape):
+        runs = ranks.movedim(dim, -1).reshape(-1, n).tolist()
+        pg, _ = dist.new_subgroups_by_enumeration(runs, timeout=pg_timeout())
+        groups.append(pg)
     device_type = "cuda" if "nccl" in str(dist.get_backend()) else "cpu"
-    device_mesh = init_device_mesh(
-        device_type, tuple(n for _, n in shape), mesh_dim_names=tuple(a for a, _ in shape)
+    device_mesh = DeviceMesh.from_group(
+        groups if len(groups) > 1 else groups[0], device_type, mesh=ranks, mesh_dim_names=tuple(a for a, _ in shape)
     )
     return Mesh(shape=shape, world=world, device_mesh=device_mesh, ep=ep)

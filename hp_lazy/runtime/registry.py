@@ -37,3 +37,13 @@ def lowered_for(cls: type) -> tuple[Lowered, str] | None:
         if found is not None and klass.__name__ in found.plan.roots:
             return found, klass.__name__
     return None
+
+
+def meshes() -> list[dict[str, int]]:
+    """The distinct mesh degrees the lowered modules' plans were made for (registration order)."""
+    found: list[dict[str, int]] = []
+    for lowered in _LOWERED.values():
+        mesh = dict(lowered.plan.mesh)
+        if mesh not in found:
+            found.append(mesh)
+    return found

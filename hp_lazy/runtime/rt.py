@@ -7,12 +7,15 @@ names only, and the loader puts this module into each lowered module as ``__hp_r
 from __future__ import annotations
 
 import functools
+import sys
+from collections.abc import Mapping
 from typing import Any, NoReturn
 
+import torch
 from torch import nn
 
 from hp_lazy.errors import ShardingError
-from hp_lazy.names import BOUND, GRADS_ATTR, LAZY_HOOK, LAZY_INIT, WATCH
+from hp_lazy.names import BOUND, CP_ENTRY, GRADS_ATTR, INPUT_CHECK, LAZY_HOOK, LAZY_INIT, WATCH
 from hp_lazy.runtime.binding import Binding, CallContext, add_deferred_bias
 from hp_lazy.runtime.comm import (
     all_to_all,
@@ -68,8 +71,12 @@ def unbound(qualname: str) -> Unbound:
     return Unbound(qualname)
 
 
-def ensure_parallel(module: nn.Module) -> None:
-    """Root prologue: bind the model on its first forward; two dict lookups afterwards."""
+def ensure_parallel(module: nn.Module, inputs: Mapping[str, Any] | None = None) -> None:
+    """Root prologue: bind the model on its first forward; a few dict lookups afterwards.
+
+    ``inputs`` (the forward's arguments; the caller's frame locals when omitted, which at the top
+    of a forward are exactly its arguments) go to the tp group's input check.
+    """
     if BOUND not in module.__dict__:
         from hp_lazy.runtime.bind import parallelize
 
@@ -82,17 +89,27 @@ def ensure_parallel(module: nn.Module) -> None:
     owner = module.__dict__.get(GRADS_ATTR)
     if owner is not None:
         owner.check(module)
+    check = module.__dict__.get(INPUT_CHECK)
+    split_later = inputs is None and CP_ENTRY in module.__dict__  # cp: the wrapper checked the full inputs
+    if check is not None and not split_later and not torch.compiler.is_compiling():
+        check(sys._getframe(1).f_locals if inputs is None else inputs)
 
 
 def install_root(cls: type[nn.Module]) -> None:
-    """Give a root class whose ``forward`` is inherited a prologue, keeping the signature."""
+    """Wrap a root class's ``forward`` (inherited, or under context parallel its own, whose
+    prologue then finds the model bound): bind, check inputs, and let the bound root's context
+    parallel entry split the batch. The signature is kept (``functools.wraps``). Also
+    :func:`lazy_root`."""
     lazy_root(cls)
-    inherited = cls.forward
+    inner = cls.forward
 
-    @functools.wraps(inherited)
+    @functools.wraps(inner)
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        ensure_parallel(self)
-        return inherited(self, *args, **kwargs)
+        ensure_parallel(self, {"args": args, "kwargs": kwargs})
+        entry = self.__dict__.get(CP_ENTRY)
+        if entry is None:
+            return inner(self, *args, **kwargs)
+        return entry(inner, self, args, kwargs)
 
     cls.forward = forward
 

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from hp_lazy.errors import ShardingError
 from hp_lazy.runtime.comm import wire
 from hp_lazy.runtime.mesh import Group
+from hp_lazy.runtime.tp.bounds import check_targets
 
 
 class _VocabParallelCE(torch.autograd.Function):
@@ -74,7 +75,8 @@ def vocab_parallel_cross_entropy(
     ``local_logits [..., V/W]`` holds the full vocab's columns ``[vocab_start, vocab_start + V/W)``;
     ``labels [...]`` are global ids. Same value and gradient as the full-logits loss (computed in
     fp32 for half inputs); ``reduction`` is ``"mean"`` (over non-ignored tokens), ``"sum"`` or
-    ``"none"`` (shape of ``labels``).
+    ``"none"`` (shape of ``labels``). A label outside ``[0, V)`` other than ``ignore_index`` raises
+    ``F.cross_entropy``'s ``IndexError``.
     """
     if labels.shape != local_logits.shape[:-1]:
         raise ShardingError(
@@ -86,6 +88,7 @@ def vocab_parallel_cross_entropy(
         raise ShardingError(
             f"vocab_parallel_cross_entropy: reduction={reduction!r} is not supported; use 'mean', 'sum' or 'none'"
         )
+    check_targets(labels, local_logits.shape[-1] * g.size, ignore_index)
     flat_labels = labels.reshape(-1)
     loss = _VocabParallelCE.apply(
         local_logits.reshape(-1, local_logits.shape[-1]), flat_labels, g, int(vocab_start), ignore_index

@@ -56,7 +56,7 @@ def resize_sharded(model: nn.Module, resize: Callable[..., Any], args: tuple, kw
             pads[id(head)] = head.padding_idx = global_padding_idx(head)
         head.weight.data = layout.gather(head.weight.data, table.groups)
     out = resize(model, *args, **kwargs)
-    rank = table.groups["tp"].rank
+    group = table.groups["tp"]
     for old, names, layout in heads:
         module: Any = _successor(model, old)
         new = ParamLayout(fqn=names[0], full_shape=tuple(module.weight.shape), shards=layout.shards)
@@ -64,10 +64,10 @@ def resize_sharded(model: nn.Module, resize: Callable[..., Any], args: tuple, kw
         for name in names:
             table.replace(replace(new, fqn=name))
         if id(module) in pads:
-            set_vocab_range(module, rank, module.padding_idx)
+            set_vocab_range(module, group, module.padding_idx)
         loss = getattr(model, "loss_function", None)
         if isinstance(loss, VocabParallelCausalLMLoss) and not isinstance(module, nn.Embedding):
-            loss.vocab_start = rank * new.local_shape[0]
+            loss.vocab_start = group.rank * new.local_shape[0]
     model.__dict__[WATCH].dirty = True  # the gradient owner's buckets are sized by the old shards
     return out
 

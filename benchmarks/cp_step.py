@@ -1,0 +1,206 @@
+"""Context-parallel step time and memory on long sequences: hp_lazy cp against one process.
+
+A small-hidden Llama (attention dominates) is built from a config (random weights, seed 0, nothing
+downloaded). For each sequence length, fresh processes run, alternately, ``--repeats`` times:
+
+  one process     plain transformers (SDPA), world 1, ``--world`` intra-op threads (the same cores)
+  cp              ``hp_lazy.activate("auto", cp=W)`` on W ranks, 1 thread each: K/V all-gathered,
+                  only local tensors saved, re-gathered in backward (hp_lazy's default; causal
+                  attention by two flash calls per chunk merged by log-sum-exp)
+  cp, K/V saved   the same collectives, but one masked SDPA per layer through plain autograd,
+                  which keeps the gathered K/V of every layer (no re-gather): what the custom
+                  function saves
+
+Every rank passes the same full batch (B=1) with labels. Reported per variant: the median fwd+bwd
+step (the slowest rank's), its ratio to one process, the bytes autograd saves for backward during
+the forward (``saved_tensors_hooks``, unique storages; per rank) and the peak resident memory the
+step adds over the loaded model (``ru_maxrss`` after the steps minus RSS before the first forward).
+torch's own ``context_parallel`` needs the flash/efficient SDPA kernels (CUDA) and is not run here.
+
+    python benchmarks/cp_step.py                      # S = 2k, 4k, 8k at cp=2 (a few minutes, 2 cores)
+    python benchmarks/cp_step.py --seqs 1024,2048 --repeats 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+VARIANTS = ("one process", "cp", "cp, K/V saved")
+
+
+def _args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--seqs", default="2048,4096,8192")
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=512)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=2)
+    return p.parse_args(argv)
+
+
+def _build(args: argparse.Namespace, root: str, seq: int) -> str:
+    import torch
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+        max_position_embeddings=seq, tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    path = os.path.join(root, f"llama{seq}")
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return path
+
+
+def _rss_kib() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
+
+
+def _saved_bytes(model, ids) -> int:
+    import torch
+
+    storages: dict[int, int] = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return sum(storages.values())
+
+
+def _run(model, ids, steps: int, barrier) -> tuple[float, int, int]:
+    base = _rss_kib()
+    times = []
+    for _ in range(steps + 1):  # the first is a warm-up
+        barrier()
+        start = time.perf_counter()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        for p in model.parameters():
+            p.grad = None
+        times.append(time.perf_counter() - start)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base
+    return statistics.median(times[1:]), _saved_bytes(model, ids), peak * 1024
+
+
+def _keep_gathered() -> None:
+    """The 'K/V saved' variant: autograd through the gather (no custom Function)."""
+    from hp_lazy.runtime.comm import gather_kv
+    from hp_lazy.runtime.cp import attention
+    from hp_lazy.runtime.cp.state import current
+
+    def apply(q, k, v, mask, scale, g):
+        kg, vg = gather_kv(k, v, g, 2)
+        return attention._attend(q, kg, vg, mask, scale)
+
+    def causal(q, k, v, scale, g, zig):
+        state = current()
+        assert state is not None
+        return apply(q, k, v, state.mask(True, None), scale, g)
+
+    attention._GatheredAttention.apply = staticmethod(apply)  # type: ignore[method-assign]
+    attention._ZigzagCausal.apply = staticmethod(causal)  # type: ignore[method-assign]
+
+
+def _worker(rank: int, world: int, variant: str, path: str, seq: int, steps: int, port: int, queue: Any) -> None:
+    import torch
+
+    torch.manual_seed(1)
+    ids = torch.randint(0, 512, (1, seq))
+    if variant == "one process":
+        torch.set_num_threads(world)
+        import transformers
+
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        queue.put((rank, _run(model, ids, steps, lambda: None)))
+        return
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      LOCAL_RANK=str(rank), GLOO_SOCKET_IFNAME="lo")
+    torch.set_num_threads(1)
+    import hp_lazy
+
+    hp_lazy.activate("auto", cp=world)
+    import torch.distributed as dist
+    import transformers
+
+    if variant == "cp, K/V saved":
+        _keep_gathered()
+    model = hp_lazy.parallelize(transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
+    step, saved, peak = _run(model, ids, steps, dist.barrier)
+    slowest = torch.tensor([step])
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    queue.put((rank, (float(slowest), saved, peak)))
+    dist.destroy_process_group()
+
+
+def _launch(args: argparse.Namespace, variant: str, path: str, seq: int) -> tuple[float, int, int]:
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ranks = 1 if variant == "one process" else args.world
+    procs = [ctx.Process(target=_worker, args=(r, args.world, variant, path, seq, args.steps, port, queue))
+             for r in range(ranks)]
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=3600) for _ in procs)
+    for p in procs:
+        p.join()
+    return results[0]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _args(argv)
+    seqs = [int(s) for s in args.seqs.split(",")]
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    lines = [
+        f"cp={args.world} on {args.world} ranks vs one process ({args.world} threads); Llama hidden {args.hidden}, "
+        f"{args.layers} layers, {args.heads} heads ({args.kv_heads} K/V), batch 1, fp32, {args.steps} steps x "
+        f"{args.repeats} repeats (medians); saved = bytes autograd keeps for backward per rank; peak = resident "
+        "memory a step adds per rank",
+        "",
+        "| S | variant | step s | step / one process | saved MiB | saved / one process | peak MiB | peak / one process |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    with tempfile.TemporaryDirectory() as root:
+        for seq in seqs:
+            path = _build(args, root, seq)
+            runs: dict[str, list[tuple[float, int, int]]] = {v: [] for v in VARIANTS}
+            for _ in range(args.repeats):
+                for variant in VARIANTS:
+                    runs[variant].append(_launch(args, variant, path, seq))
+            base = [statistics.median(x[i] for x in runs["one process"]) for i in range(3)]
+            for variant in VARIANTS:
+                step, saved, peak = (statistics.median(x[i] for x in runs[variant]) for i in range(3))
+                lines.append(
+                    f"| {seq} | {variant} | {step:.2f} | {step / base[0]:.2f} | {saved / 2**20:.0f} | "
+                    f"{saved / base[1]:.2f} | {peak / 2**20:.0f} | {peak / max(base[2], 1):.2f} |"
+                )
+            print(lines[-3:], flush=True)
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,169 @@
+"""The model's entry under context parallel: every rank of a cp group passes the same full-sequence
+batch, as to one process; the entry keeps this rank's zigzag rows and runs the forward on them.
+
+Per call (:class:`ContextEntry`, run by the bound root's ``install_root`` wrapper):
+
+- the sequence length ``S`` (dim 1 of ``input_ids`` / ``inputs_embeds``) must be a multiple of
+  ``2 * cp``; the rows :mod:`.zigzag` gives this rank are taken of ``input_ids`` /
+  ``inputs_embeds`` and of the position ids (given, or ``arange(S)``: the global positions);
+- labels are shifted over the whole sequence *before* the split (``shift_labels``, as transformers'
+  ``ForCausalLMLoss`` does), the number of valid labels is counted over the whole sequence
+  (``num_items_in_batch``, unless the caller passes one), and each rank's loss is its own sum over
+  that global count; ``out.loss`` is their sum (all-reduce forward, identity backward): the global
+  loss on every rank, whose backward gives each rank its own part;
+- a 2-D ``attention_mask`` becomes the key padding of the masks; without one, and with
+  ``use_cache`` off (transformers' condition: it detects packing only without a cache), position
+  ids that restart mark packed documents (transformers' detection); the attention and RoPE read
+  both from the call's :class:`~hp_lazy.runtime.cp.state.CallState`.
+
+Refused, naming the option: a KV cache or ``use_cache=True`` (generation), ``output_attentions``,
+``logits_to_keep`` other than 0, a 4-D mask, and a tensor argument of the sequence's shape whose
+split hp_lazy does not know.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hp_lazy.errors import ShardingError
+from hp_lazy.runtime.comm import reduce_from
+from hp_lazy.runtime.cp import state as cp_state
+from hp_lazy.runtime.cp.zigzag import zigzag
+from hp_lazy.runtime.mesh import Group
+
+IGNORE = -100
+_KNOWN = frozenset(
+    {"input_ids", "inputs_embeds", "labels", "position_ids", "attention_mask", "shift_labels", "num_items_in_batch",
+     "use_cache", "past_key_values", "output_attentions", "output_hidden_states", "logits_to_keep", "return_dict",
+     "cache_position", "output_router_logits"}
+)
+
+
+def packed_documents(positions: torch.Tensor) -> torch.Tensor | None:
+    """transformers' packed-sequence detection: a new document wherever the position does not step by 1."""
+    step = torch.diff(positions, prepend=positions[:, :1] - 1, dim=-1)
+    docs = (step != 1).cumsum(-1)
+    return None if bool((docs[:, -1] == 0).all()) else docs
+
+
+class ContextEntry:
+    """Split one call's batch over the cp group (see the module doc)."""
+
+    def __init__(self, owner: str, group: Group) -> None:
+        self.owner = owner
+        self.group = group
+        self._signatures: dict[Callable[..., Any], inspect.Signature] = {}
+
+    def __call__(self, forward: Callable[..., Any], module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        if cp_state.current() is not None:  # a nested root inside a cp forward: already split
+            return forward(module, *args, **kwargs)
+        values = self._arguments(forward, module, args, kwargs)
+        call, state, has_labels = self._split(values, getattr(getattr(module, "config", None), "use_cache", False))
+        token = cp_state.enter(state)
+        try:
+            out = forward(module, **call)
+        finally:
+            cp_state.leave(token)
+        if has_labels and getattr(out, "loss", None) is not None:
+            out.loss = reduce_from(out.loss, self.group)
+        return out
+
+    def _arguments(self, forward: Callable[..., Any], module: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
+        sig = self._signatures.get(forward)
+        if sig is None:
+            sig = self._signatures[forward] = inspect.signature(forward)
+        bound = sig.bind(module, *args, **kwargs)
+        values: dict[str, Any] = {}
+        for name, value in list(bound.arguments.items())[1:]:
+            kind = sig.parameters[name].kind
+            if kind is inspect.Parameter.VAR_KEYWORD:
+                values.update(value)
+            elif kind is inspect.Parameter.VAR_POSITIONAL:
+                if value:
+                    raise ShardingError(
+                        f"{self.owner}: {len(value)} extra positional arguments under context parallel; pass keywords"
+                    )
+            else:
+                values[name] = value
+        return values
+
+    def _refuse(self, option: str, why: str, fix: str) -> ShardingError:
+        return ShardingError(f"{self.owner}: {option} under context parallel (cp={self.group.size}): {why}; {fix}")
+
+    def _split(self, values: dict[str, Any], use_cache: bool) -> tuple[dict[str, Any], cp_state.CallState, bool]:
+        if values.get("past_key_values") is not None or values.get("use_cache") is True:
+            raise self._refuse("a KV cache (use_cache=True / past_key_values)", "generation appends one token at a "
+                               "time, which cannot be split over the sequence", "generate with a tp-only plan")
+        if values.get("output_attentions"):
+            raise self._refuse("output_attentions=True", "the attention weights are never built (each rank holds "
+                               "its queries' rows only)", "drop the option")
+        if values.get("output_router_logits"):
+            raise self._refuse("output_router_logits=True", "the router's auxiliary loss would be computed from "
+                               "this rank's tokens only", "drop the option (or set router_aux_loss_coef=0)")
+        if values.get("logits_to_keep") not in (None, 0):
+            raise self._refuse(f"logits_to_keep={values['logits_to_keep']!r}", "the last tokens live on other ranks",
+                               "use logits_to_keep=0 and hp_lazy.gather_sequence(out.logits)")
+        ids, embeds = values.get("input_ids"), values.get("inputs_embeds")
+        tokens = ids if ids is not None else embeds
+        if tokens is None or tokens.dim() < 2:
+            raise self._refuse("a call without input_ids or inputs_embeds of [batch, seq, ...]",
+                               "the sequence to split is not known", "pass input_ids or inputs_embeds")
+        batch, seq = tokens.shape[0], tokens.shape[1]
+        size = self.group.size
+        if seq % (2 * size):
+            multiple = 2 * size
+            raise self._refuse(
+                f"a sequence of {seq} tokens", f"the zigzag layout cuts it into 2*cp = {multiple} equal chunks",
+                f"pad it to a multiple of {multiple} ({seq + (-seq) % multiple} tokens: pad ids with label "
+                f"{IGNORE} and attention_mask 0 at the padding)",
+            )
+        for name, value in values.items():
+            along = isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[:2] == (batch, seq)
+            if along and name not in _KNOWN:
+                raise self._refuse(f"argument {name!r} of shape {list(value.shape)}", "hp_lazy does not know how to "
+                                   "split it along the sequence", "leave it out, or report the model")
+        zig = zigzag(seq, size, self.group.rank, tokens.device)
+        positions = values.get("position_ids")
+        given_positions = positions is not None
+        if positions is None:
+            positions = torch.arange(seq, device=tokens.device)
+        if positions.dim() != 2 and not (positions.dim() == 1 and positions.shape[0] == seq):
+            raise self._refuse(f"position_ids of shape {list(positions.shape)}", "only [batch, seq] position ids "
+                               "can be split (multimodal RoPE is not supported yet)", "pass [batch, seq] position ids")
+        positions = positions.reshape(-1, seq).expand(batch, seq)
+        mask = values.get("attention_mask")
+        padding = None
+        if mask is not None:
+            if mask.dim() != 2:
+                raise self._refuse(f"a {mask.dim()}-D attention_mask", "only a 2-D padding mask is split",
+                                   "pass a [batch, seq] mask of 0/1")
+            padding = mask.to(torch.bool)
+            if bool(padding.all()):
+                padding = None
+        # transformers looks for packed documents only without a mask and without a cache (use_cache
+        # resolved from the config when not given): the same here, though no cache is ever built
+        cached = use_cache if values.get("use_cache") is None else values["use_cache"]
+        docs = packed_documents(positions) if given_positions and mask is None and not cached else None
+        call = {k: v for k, v in values.items() if k not in ("input_ids", "inputs_embeds", "position_ids",
+                                                               "attention_mask", "labels", "shift_labels")}
+        call["input_ids" if ids is not None else "inputs_embeds"] = tokens.index_select(1, zig.local)
+        call["position_ids"] = positions.index_select(1, zig.local)
+        call["use_cache"] = False
+        labels, shifted = values.get("labels"), values.get("shift_labels")
+        has_labels = labels is not None or shifted is not None
+        if has_labels:
+            if shifted is None:
+                assert labels is not None
+                shifted = F.pad(labels, (0, 1), value=IGNORE)[..., 1:]
+            if values.get("num_items_in_batch") is None:
+                call["num_items_in_batch"] = (shifted != IGNORE).sum()
+            local = shifted.index_select(1, zig.local)
+            call["labels"] = call["shift_labels"] = local
+        state = cp_state.CallState(group=self.group, zig=zig, positions=positions, docs=docs, key_padding=padding)
+        return call, state, has_labels

@@ -1,0 +1,69 @@
+"""The state of one context-parallel forward: set by the entry, read by attention and RoPE.
+
+A :class:`CallState` lives for one call of the bound root (a context variable, so a forward in
+another thread sees its own): the zigzag layout, the global position ids, the document ids of
+packed sequences and the key padding mask, and the attention masks built from them — one per
+(causal, window) kind, built on first use and shared by every layer of that kind.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from dataclasses import dataclass, field
+
+import torch
+
+from hp_lazy.runtime.cp.zigzag import Zigzag
+from hp_lazy.runtime.mesh import Group
+
+_CURRENT: contextvars.ContextVar[CallState | None] = contextvars.ContextVar("hp_lazy_cp_call", default=None)
+
+
+@dataclass(eq=False)
+class CallState:
+    group: Group
+    zig: Zigzag
+    positions: torch.Tensor
+    """``[B, S]`` global position ids (what RoPE is computed from)."""
+    docs: torch.Tensor | None
+    """``[B, S]`` packed-sequence ids (transformers' detection: positions that do not step by 1), or None."""
+    key_padding: torch.Tensor | None
+    """``[B, S]`` bool, True for tokens that may be attended to (a 2-D attention mask), or None."""
+    masks: dict[tuple[bool, int | None], torch.Tensor | None] = field(default_factory=dict)
+
+    def mask(self, causal: bool, window: int | None) -> torch.Tensor | None:
+        """``[B or 1, 1, S/C, S]`` bool: local query rows x all-gathered key rows; None for no mask."""
+        key = (causal, window)
+        if key not in self.masks:
+            self.masks[key] = self._build(causal, window)
+        return self.masks[key]
+
+    def _build(self, causal: bool, window: int | None) -> torch.Tensor | None:
+        q = self.zig.local[:, None]
+        k = self.zig.gathered[None, :]
+        mask: torch.Tensor | None = None
+        if causal:
+            mask = k <= q
+        if window is not None:
+            near = k > q - window
+            mask = near if mask is None else mask & near
+        mask = None if mask is None else mask[None, None]
+        if self.docs is not None:
+            same = self.docs[:, self.zig.local][:, None, :, None] == self.docs[:, self.zig.gathered][:, None, None, :]
+            mask = same if mask is None else mask & same
+        if self.key_padding is not None:
+            keys = self.key_padding[:, self.zig.gathered][:, None, None, :]
+            mask = keys if mask is None else mask & keys
+        return mask
+
+
+def current() -> CallState | None:
+    return _CURRENT.get()
+
+
+def enter(state: CallState) -> contextvars.Token[CallState | None]:
+    return _CURRENT.set(state)
+
+
+def leave(token: contextvars.Token[CallState | None]) -> None:
+    _CURRENT.reset(token)

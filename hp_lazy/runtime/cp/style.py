@@ -1,0 +1,107 @@
+"""Context parallel's style: the sequence of every batch split over the ``cp`` ranks.
+
+Bound per model (the walker calls it like every style, :mod:`hp_lazy.runtime.style`):
+
+- ``validate``: each boundary whose contract carries the inner op ``cp_allgather_kv`` is an
+  attention module that calls transformers' attention interface; what that attention cannot do
+  split over the sequence is refused here (attention sinks, logit softcapping, dropout);
+- ``finish``: the model's layer types must all be attention (full or sliding; linear-attention or
+  recurrent layers mix tokens outside attention), every attention module must be one the plan
+  names, the attention implementation becomes :data:`~hp_lazy.runtime.cp.attention.KEY`, RoPE
+  modules compute on the global positions (:mod:`.rope`), and the bound root gets the
+  :class:`~hp_lazy.runtime.cp.entry.ContextEntry` that splits each call's batch.
+
+Gradients: every parameter is replicated over cp and each rank's backward gives its own tokens'
+part, so the gradient owner sums every gradient over cp (:func:`hp_lazy.runtime.grads.rules_for`).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from hp_lazy.errors import ShardingError
+from hp_lazy.names import CP_ENTRY
+from hp_lazy.plan.model import Contract
+from hp_lazy.runtime.binding import Binding
+from hp_lazy.runtime.cp import attention, rope
+from hp_lazy.runtime.cp.entry import ContextEntry
+from hp_lazy.runtime.style import BindContext
+
+ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention"})
+
+
+class ContextParallelStyle:
+    axis = "cp"
+
+    def __init__(self) -> None:
+        self.attention: dict[int, str] = {}
+
+    def validate(self, fqn: str, module: nn.Module, contract: Contract, ctx: BindContext) -> None:
+        if contract.inner is None or not contract.inner.kind.startswith("cp_"):
+            return
+        family = type(ctx.root).__qualname__
+        config = getattr(module, "config", None)
+        refusals = [
+            (getattr(module, "sinks", None) is not None, "has attention sinks"),
+            (getattr(config, "attn_logit_softcapping", None) not in (None, 0), "softcaps its attention logits"),
+            (float(getattr(config, "attention_dropout", 0.0) or 0.0) > 0, "has attention dropout > 0 (set "
+             "attention_dropout=0: ranks would draw different masks than one process)"),
+        ]
+        for refused, why in refusals:
+            if refused:
+                raise ShardingError(
+                    f"{fqn} ({family}): context parallel cannot split this attention over the sequence: it {why}; "
+                    "train this family without cp"
+                )
+        self.attention[id(module)] = fqn
+
+    def replicas(self, fqn: str, module: nn.Module, contract: Contract, ctx: BindContext) -> dict[str, int]:
+        return {}
+
+    def after_partition(
+        self, fqn: str, module: nn.Module, contract: Contract, ctx: BindContext, replicas: dict[str, int]
+    ) -> None:
+        return None
+
+    def attach(self, fqn: str, module: nn.Module, binding: Binding, ctx: BindContext) -> bool:
+        return False
+
+    def gradients(self, ctx: BindContext) -> None:
+        return None
+
+    def finish(self, ctx: BindContext) -> None:
+        root, family = ctx.root, type(ctx.root).__qualname__
+        config = getattr(root, "config", None)
+        for i, kind in enumerate(getattr(config, "layer_types", None) or ()):
+            if kind not in ATTENTION_LAYERS:
+                raise ShardingError(
+                    f"{family}: layer {i} is a {kind!r} layer, which mixes tokens along the sequence outside "
+                    f"attention; context parallel splits only {sorted(ATTENTION_LAYERS)} layers; train without cp"
+                )
+        unplanned = [
+            name for name, m in root.named_modules()
+            if getattr(m, "is_causal", None) is not None and hasattr(m, "config") and _calls_attention(m)
+            and id(m) not in self.attention
+        ]
+        if not self.attention or unplanned:
+            raise ShardingError(
+                f"{family}: context parallel needs every attention module to carry the plan's cp inner op, but "
+                f"{unplanned[:3] or 'none'} {'do' if unplanned else 'does'} not (planned: "
+                f"{sorted(self.attention.values())[:3]}); add \"inner\": {{\"call\": \"attention\", \"kind\": "
+                "\"cp_allgather_kv\"} to their boundaries, or use Plan.auto(cp=...)"
+            )
+        attention.register()
+        if config is None:
+            raise ShardingError(f"{family}: context parallel needs a transformers model (one with a config)")
+        config._attn_implementation = attention.KEY
+        for name, module in root.named_modules():
+            if rope.is_rotary(module):
+                rope.wrap_rotary(module, f"{name} ({family})")
+        root.__dict__[CP_ENTRY] = ContextEntry(family, ctx.groups["cp"])
+
+
+def _calls_attention(module: nn.Module) -> bool:
+    """A module whose forward dispatches through transformers' attention interface."""
+    code = getattr(type(module), "_forward_impl", type(module).forward)
+    names = getattr(getattr(code, "__code__", None), "co_names", ())
+    return "ALL_ATTENTION_FUNCTIONS" in names

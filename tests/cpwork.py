@@ -1,0 +1,215 @@
+"""Context-parallel runs shared by the cp test modules: the same function trains a model in a pool
+worker (under an active cp plan) and in the pytest process (plain transformers, the reference).
+
+A batch is a dict of full-sequence tensors (``input_ids``, ``labels``, optional ``position_ids``,
+``attention_mask``): every rank of a cp group passes it whole, as to one process.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import models
+
+
+def batch(kind: str = "plain", seq: int = 16) -> dict[str, Any]:
+    import torch
+
+    ids = models.batch(seq=seq)
+    labels = ids.clone()
+    labels[0, :5] = -100  # uneven numbers of ignored labels across the sequence's shards
+    labels[1, -3:] = -100
+    out: dict[str, Any] = {"input_ids": ids, "labels": labels}
+    if kind in ("packed", "packed_cached"):  # two documents in row 0, three in row 1: positions restart
+        out["position_ids"] = torch.tensor([list(range(7)) + list(range(seq - 7)),
+                                            list(range(4)) + list(range(5)) + list(range(seq - 9))])
+        if kind == "packed":
+            out["use_cache"] = False  # transformers separates packed documents only without a cache
+    elif kind in ("padded", "left_padded"):  # right padding in row 1 (left: row 0's first 3 tokens)
+        mask = torch.ones_like(ids)
+        if kind == "padded":
+            mask[1, -4:] = 0
+        else:
+            mask[0, :3] = 0
+        out["attention_mask"] = mask
+        out["labels"] = labels.masked_fill(mask == 0, -100)
+    return out
+
+
+def run(model, data: dict[str, Any], *, steps: int = 3, gather=None, full_grads=None, full_state_dict=None) -> dict:
+    """One fwd+bwd (logits, loss, grads), then ``steps`` SGD steps with weight decay."""
+    import torch
+
+    gather = gather or (lambda t: t)
+    grads_of = full_grads or (lambda m: {n: p.grad.detach().clone() for n, p in m.named_parameters() if p.grad is not None})
+    state_of = full_state_dict or (lambda m: {k: v.detach().clone() for k, v in m.state_dict().items()})
+    out = model(**data)
+    out.loss.backward()
+    result = {"logits": gather(out.logits.detach()), "loss": out.loss.detach().clone(), "grads": grads_of(model)}
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, weight_decay=0.01)
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss = model(**data).loss
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.detach().clone())
+    result["losses"] = torch.stack(losses)
+    result["state"] = state_of(model)
+    return result
+
+
+def load(path: str):
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+
+def reference(path: str, data: dict[str, Any]) -> dict[str, Any]:
+    return run(load(path), data)
+
+
+def train(rank: int, world: int, path: str, data: dict[str, Any]) -> dict[str, Any]:
+    import hp_lazy
+
+    result = run(load(path), data, gather=hp_lazy.gather_sequence, full_grads=hp_lazy.full_grads,
+                 full_state_dict=hp_lazy.full_state_dict)
+    return result if rank == 0 else {"loss": result["loss"], "logits": result["logits"]}
+
+
+def count(rank: int, world: int, path: str, data: dict[str, Any]) -> dict[str, dict[str, int]]:
+    import hp_lazy
+
+    model = hp_lazy.parallelize(load(path))
+    with hp_lazy.collective_counter() as counter:
+        model(**data).loss.backward()
+    return {phase: counter.by_phase(phase) for phase in ("forward", "backward")}
+
+
+def error(rank: int, world: int, path: str, data: dict[str, Any]) -> str:
+    model = load(path)
+    try:
+        model(**data)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "ok"
+
+
+def activate(rank: int, world: int, cp: int, tp: int) -> None:
+    import hp_lazy
+
+    hp_lazy.activate("auto", cp=cp, tp=tp)
+
+
+def train_broken(rank: int, world: int, path: str, data: dict[str, Any], how: str) -> dict[str, Any]:
+    """Negative controls: the train run with one part of context parallel done the naive way."""
+    import torch
+
+    from hp_lazy.runtime.comm import reduce_from
+    from hp_lazy.runtime.cp import entry, state
+
+    undo = []
+
+    def patch(owner, name, value):
+        undo.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, value)
+
+    if how == "local positions":  # each rank numbers its own rows 0..S/C-1
+        build = state.CallState.__init__
+
+        def init(self, **kw):
+            build(self, **kw)
+            local = torch.zeros_like(self.positions)
+            local[:, self.zig.local] = torch.arange(self.zig.local_len)
+            self.positions = local
+
+        patch(state.CallState, "__init__", init)
+    elif how == "upper-left causal":  # the local query rows against the gathered rows by row number
+        def upper_left(self, causal, window):
+            return (torch.arange(self.zig.seq)[None, :] <= torch.arange(self.zig.local_len)[:, None])[None, None]
+
+        patch(state.CallState, "_build", upper_left)
+
+        def naive(q, k, v, scale, g, zig):  # the causal kernel on the gathered rows, SDPA's own alignment
+            from hp_lazy.runtime.comm import gather_kv
+
+            kg, vg = gather_kv(k, v, g, 2)
+            groups = q.shape[1] // k.shape[1]
+            kg, vg = kg.repeat_interleave(groups, 1), vg.repeat_interleave(groups, 1)
+            return torch.nn.functional.scaled_dot_product_attention(q, kg, vg, is_causal=True, scale=scale)
+
+        from hp_lazy.runtime.cp import attention
+
+        patch(attention._ZigzagCausal, "apply", naive)
+    elif how == "mean of means":  # each rank's mean loss, averaged over ranks
+        split = entry.ContextEntry._split
+
+        def local_count(self, values, use_cache):
+            call, st, has_labels = split(self, values, use_cache)
+            call["num_items_in_batch"] = (call["labels"] != -100).sum()
+            return call, st, has_labels
+
+        patch(entry.ContextEntry, "_split", local_count)
+        patch(entry, "reduce_from", lambda x, g: reduce_from(x, g) / g.size)
+    try:
+        return train(rank, world, path, data)
+    finally:
+        for owner, name, value in reversed(undo):
+            setattr(owner, name, value)
+
+
+def saved_shapes(rank: int, world: int, path: str, data: dict[str, Any]) -> list[tuple[int, ...]]:
+    """Shapes of every tensor autograd saves for backward during one forward."""
+    import torch
+
+    import hp_lazy
+
+    model = hp_lazy.parallelize(load(path))
+    shapes: list[tuple[int, ...]] = []
+
+    def pack(t):
+        shapes.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(**data).loss
+    loss.backward()
+    return shapes
+
+
+def train_dp(rank: int, world: int, path: str, data: dict[str, Any]) -> dict[str, Any]:
+    """dp x cp: each dp group feeds its own rows (every cp rank of it the same rows)."""
+    import hp_lazy
+
+    dp = hp_lazy.mesh().group("dp")
+    mine = {k: v.chunk(dp.size)[dp.rank] if hasattr(v, "chunk") else v for k, v in data.items()}
+    result = run(load(path), mine, gather=hp_lazy.gather_sequence, full_grads=hp_lazy.full_grads,
+                 full_state_dict=hp_lazy.full_state_dict)
+    return {**result, "dp_rank": dp.rank}
+
+
+def balanced(seq: int = 16) -> dict[str, Any]:
+    """Every row with the same number of valid labels after the shift (11 of 16): hp_lazy's dp average
+    (DDP's) is then the global mean."""
+    ids = models.batch(seq=seq)
+    labels = ids.clone()
+    labels[0, 1:5] = -100
+    labels[1, -4:] = -100
+    return {"input_ids": ids, "labels": labels}
+
+
+def grad_norm(rank: int, world: int, path: str, data: dict[str, Any]) -> float:
+    """torch's stock clip_grad_norm_ after one backward (the total norm it returns)."""
+    import torch
+
+    from hp_lazy.hook.api import active_plan
+
+    model = load(path)
+    if active_plan() is not None:
+        import hp_lazy
+
+        hp_lazy.parallelize(model)
+    model(**data).loss.backward()
+    return float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9))

@@ -1,0 +1,108 @@
+"""Context parallel at world 2 (cp=2): one process's loss, logits (``hp_lazy.gather_sequence``),
+every gradient and 3 SGD steps, for GQA, q/k norms, biases, sliding-window and full layers mixed,
+dynamic RoPE, packed documents and a padding mask; the collectives per layer; refusals."""
+
+from __future__ import annotations
+
+import cpwork
+import models
+import parity
+import pytest
+from dist import DistPool, pool_fixture
+
+pool2 = pool_fixture(2, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def ready(pool2: DistPool, tmp_path_factory):
+    if getattr(pool2, "_hp_activated", None) is not pool2._procs or not pool2._procs:
+        pool2.run(cpwork.activate, 2, 1)
+        pool2._hp_activated = pool2._procs
+    return pool2, str(tmp_path_factory.mktemp("models"))
+
+
+CASES = [("llama_gqa", "plain"), ("qwen3", "plain"), ("llama_bias", "plain"), ("qwen3_sliding", "plain"),
+         ("llama_dynamic", "plain"), ("llama_gqa", "packed"), ("llama_gqa", "packed_cached"), ("qwen3_sliding", "packed"),
+         ("llama_gqa", "padded"), ("llama_gqa", "left_padded"), ("qwen3_moe", "plain")]
+
+
+@pytest.mark.parametrize(("name", "kind"), CASES)
+def test_cp_matches_one_process(ready, name: str, kind: str) -> None:
+    pool, root = ready
+    path = models.build(name, root)
+    data = cpwork.batch(kind)
+    ref = cpwork.reference(path, data)
+    results = pool.run(cpwork.train, path, data)
+    parity.compare(results[0], ref)
+    for other in results[1:]:  # the global loss and, gathered, the whole logits on every rank
+        assert models.rel_err(other["loss"], ref["loss"]) <= parity.TOL
+        assert models.rel_err(other["logits"], ref["logits"]) <= parity.TOL
+
+
+@pytest.mark.parametrize("how", ["local positions", "upper-left causal", "mean of means"])
+def test_naive_context_parallel_fails_parity(ready, how: str) -> None:
+    pool, root = ready
+    path = models.build("llama_gqa", root)
+    data = cpwork.batch("plain")
+    ref = cpwork.reference(path, data)
+    results = pool.run(cpwork.train_broken, path, data, how)
+    with pytest.raises(AssertionError, match="relative errors above"):
+        parity.compare(results[0], ref)
+
+
+def test_collectives_per_layer(ready) -> None:
+    pool, root = ready
+    path = models.build("llama_gqa", root)
+    counts = pool.run(cpwork.count, path, cpwork.batch("plain"))
+    layers = models.BASE["num_hidden_layers"]
+    # per layer: K and V gathered in one all-gather; backward re-gathers them and reduce-scatters dK/dV
+    # together; outside attention only the loss's all-reduce and one gradient bucket over cp
+    assert counts == [{"forward": {"all_gather": layers, "all_reduce": 1},
+                       "backward": {"all_gather": layers, "reduce_scatter": layers, "all_reduce": 1}}] * 2
+
+
+def test_backward_keeps_no_gathered_key_or_value(ready) -> None:
+    pool, root = ready
+    path = models.build("llama_gqa", root)
+    seq = 24  # no other dim of the tiny model (one row) is 24: a saved tensor with a dim of 24 spans the sequence
+    data = {k: v[:1] for k, v in cpwork.batch("plain", seq=seq).items()}
+    shapes = pool.run(cpwork.saved_shapes, path, data)
+    assert shapes[0] and not [s for s in shapes[0] if seq in s], shapes[0]
+    assert any(seq // 2 in s for s in shapes[0])  # the local rows are what backward keeps
+
+
+def _with(**extra):
+    return {**cpwork.batch("plain"), **extra}
+
+
+REFUSED = [
+    ({"input_ids": models.batch(seq=14), "labels": models.batch(seq=14)},
+     "a sequence of 14 tokens under context parallel (cp=2): the zigzag layout cuts it into 2*cp = 4 equal chunks; "
+     "pad it to a multiple of 4 (16 tokens: pad ids with label -100 and attention_mask 0 at the padding)"),
+    (_with(use_cache=True), "a KV cache (use_cache=True / past_key_values) under context parallel (cp=2): generation "
+     "appends one token at a time, which cannot be split over the sequence; generate with a tp-only plan"),
+    (_with(output_attentions=True), "output_attentions=True under context parallel (cp=2): the attention weights are "
+     "never built (each rank holds its queries' rows only); drop the option"),
+    (_with(logits_to_keep=1), "logits_to_keep=1 under context parallel (cp=2): the last tokens live on other ranks; "
+     "use logits_to_keep=0 and hp_lazy.gather_sequence(out.logits)"),
+    (_with(token_type_ids=models.batch()), "argument 'token_type_ids' of shape [2, 16] under context parallel (cp=2): "
+     "hp_lazy does not know how to split it along the sequence; leave it out, or report the model"),
+    (_with(attention_mask=models.batch()[:, None, None, :].bool().expand(2, 1, 16, 16)),
+     "a 4-D attention_mask under context parallel (cp=2): only a 2-D padding mask is split; pass a [batch, seq] mask of 0/1"),
+]
+
+
+@pytest.mark.parametrize(("data", "expected"), REFUSED, ids=[e.split(" under")[0][:30] for _, e in REFUSED])
+def test_what_cp_cannot_split_is_refused_by_name(ready, data, expected: str) -> None:
+    pool, root = ready
+    path = models.build("llama_gqa", root)
+    got = pool.run(cpwork.error, path, data)
+    assert got == [f"ShardingError: LlamaForCausalLM: {expected}"] * 2
+
+
+def test_stock_clip_grad_norm_gives_one_process_norm(ready) -> None:
+    pool, root = ready
+    path = models.build("qwen3", root)
+    data = cpwork.batch("plain")
+    want = cpwork.grad_norm(0, 1, path, data)
+    assert [abs(n - want) / want for n in pool.run(cpwork.grad_norm, path, data)] < [1e-6, 1e-6]

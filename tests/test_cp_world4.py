@@ -1,0 +1,61 @@
+"""Context parallel at world 4: cp=2 x tp=2, cp=4, and dp=2 x cp=2, against one process (loss,
+gathered logits, every gradient, 3 SGD steps); one pool per layout, each with its own plan."""
+
+from __future__ import annotations
+
+import cpwork
+import models
+import parity
+import pytest
+from dist import DistPool, pool_fixture
+
+cp2tp2 = pool_fixture(4, timeout=180)
+cp4 = pool_fixture(4, timeout=180)
+dp2cp2 = pool_fixture(4, timeout=180)
+
+
+def _ready(pool: DistPool, cp: int, tp: int) -> DistPool:
+    if getattr(pool, "_hp_activated", None) is not pool._procs or not pool._procs:
+        pool.run(cpwork.activate, cp, tp)
+        pool._hp_activated = pool._procs
+    return pool
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("models"))
+
+
+def _check(pool: DistPool, path: str, data: dict) -> None:
+    ref = cpwork.reference(path, data)
+    results = pool.run(cpwork.train, path, data)
+    parity.compare(results[0], ref)
+    for other in results[1:]:
+        assert models.rel_err(other["loss"], ref["loss"]) <= parity.TOL
+        assert models.rel_err(other["logits"], ref["logits"]) <= parity.TOL
+
+
+@pytest.mark.parametrize(("name", "kind"), [("llama_gqa", "plain"), ("qwen3", "plain"), ("llama_bias", "plain"),
+                                            ("qwen3_sliding", "packed"), ("llama_gqa", "padded")])
+def test_cp2_tp2(cp2tp2: DistPool, root: str, name: str, kind: str) -> None:
+    _check(_ready(cp2tp2, 2, 2), models.build(name, root), cpwork.batch(kind))
+
+
+@pytest.mark.parametrize(("name", "kind"), [("llama_gqa", "plain"), ("qwen3_sliding", "packed"), ("llama_dynamic", "plain")])
+def test_cp4(cp4: DistPool, root: str, name: str, kind: str) -> None:
+    _check(_ready(cp4, 4, 1), models.build(name, root), cpwork.batch(kind))
+
+
+def test_dp2_cp2(dp2cp2: DistPool, root: str) -> None:
+    path = models.build("llama_gqa", root)
+    data = cpwork.balanced()
+    ref = cpwork.reference(path, data)
+    results = _ready(dp2cp2, 2, 1).run(cpwork.train_dp, path, data)
+    got = results[0]
+    assert got["dp_rank"] == 0
+    for name, grad in ref["grads"].items():  # the dp average of the two halves = one process on both
+        assert models.rel_err(got["grads"][name], grad) <= parity.TOL, name
+    for name, value in ref["state"].items():
+        assert models.rel_err(got["state"][name], value) <= parity.TOL, name
+    for r in results:  # each rank's gathered logits are its dp group's rows
+        assert models.rel_err(r["logits"], ref["logits"][r["dp_rank"] : r["dp_rank"] + 1]) <= parity.TOL

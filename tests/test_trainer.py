@@ -1,0 +1,91 @@
+"""The stock transformers ``Trainer`` and ``torch.nn.utils.clip_grad_norm_`` at tp=2 (world 2),
+against one process: losses, logged grad norms and parameters after 3 steps; the norm and the
+clipped gradients of a user loop (norm 2 and inf; a K/V head held by both ranks counted once).
+Negative controls: the stock stack without hp_lazy's routing gives the wrong numbers."""
+
+from __future__ import annotations
+
+import math
+
+import parity
+import pytest
+import trainwork
+from dist import DistPool, WorkerError, pool_fixture
+
+pool2 = pool_fixture(2, timeout=240)
+_REFS: dict[tuple, dict] = {}
+
+
+def _reference(fn, *args, **kwargs) -> dict:
+    key = (fn.__name__, args, tuple(sorted(kwargs.items())))
+    if key not in _REFS:
+        _REFS[key] = fn(0, 1, *args, **kwargs)
+    return _REFS[key]
+
+
+@pytest.fixture
+def pool(pool2: DistPool) -> DistPool:
+    return parity.activated(pool2, tp=2)
+
+
+def test_trainer_default_args_sgd(pool: DistPool, refs, tmp_path) -> None:
+    """Default TrainingArguments (clipping at 1.0 on), SGD; the model is bound by the Trainer's
+    accelerate preparation (no hp_lazy.parallelize call), never wrapped in DDP."""
+    path, _ = refs("llama")
+    ref = _reference(trainwork.trainer, path, str(tmp_path / "ref"))
+    assert ref["grad_norm"].min() > 1.0  # clipping changes these steps
+    got = pool.run(trainwork.trainer, path, str(tmp_path / "hp"))
+    assert [g["wrapped"] for g in got] == ["LlamaForCausalLM"] * 2
+    trainwork.compare_trainer(got[0], ref)
+    assert [g["total_batch"] for g in got] == [ref["total_batch"]] * len(got) == [trainwork.GLOBAL_BATCH] * len(got)
+    assert all(float((g["loss"] - ref["loss"]).abs().max()) <= 1e-5 for g in got)
+
+
+@pytest.mark.parametrize("optim", ["sgd", "adamw_torch"])
+def test_trainer_with_accumulation(pool: DistPool, refs, tmp_path, optim: str) -> None:
+    """Two micro-batches per step (hp_lazy.no_sync on the first); parallelize called before."""
+    path, _ = refs("llama")
+    ref = _reference(trainwork.trainer, path, str(tmp_path / "ref"), optim=optim, ga=2)
+    got = pool.run(trainwork.trainer, path, str(tmp_path / "hp"), optim=optim, ga=2, parallelize=True)
+    trainwork.compare_trainer(got[0], ref, tol=trainwork.TOL[optim])
+
+
+def test_trainer_after_deactivate(pool: DistPool, refs, tmp_path) -> None:
+    path, _ = refs("llama")
+    ref = _reference(trainwork.trainer, path, str(tmp_path / "ref"))
+    trainwork.compare_trainer(pool.run(trainwork.trainer_after_deactivate, path, str(tmp_path / "hp"))[0], ref)
+
+
+def test_the_stock_stack_is_wrong(pool: DistPool, refs, tmp_path) -> None:
+    """Negative control: accelerate's own prepare (DDP over both tp ranks, each its own batch) and
+    torch's own norm: silently different numbers."""
+    path, _ = refs("llama")
+    ref = _reference(trainwork.trainer, path, str(tmp_path / "ref"))
+    got = pool.run(trainwork.stock_trainer, path, str(tmp_path / "stock"))
+    assert got[0]["wrapped"] == "DistributedDataParallel"
+    with pytest.raises(AssertionError, match="relative errors above"):
+        trainwork.compare_trainer(got[0], ref)
+
+
+@pytest.mark.parametrize(("name", "norm_type"), [("llama", 2.0), ("llama", math.inf), ("llama_mqa", 2.0)])
+def test_clip_grad_norm_in_a_user_loop(pool: DistPool, refs, name: str, norm_type: float) -> None:
+    path, _ = refs(name)
+    ref = _reference(trainwork.clip_loop, path, norm_type)
+    got = pool.run(trainwork.clip_loop, path, norm_type)
+    trainwork.compare_clip(got, ref)
+    # torch's own function on the shards: each rank its own (wrong) norm
+    assert all(abs(g["local"] - ref["norm"]) > 1e-3 * ref["norm"] for g in got) or norm_type == math.inf
+
+
+def test_clip_refusals(pool: DistPool, refs) -> None:
+    path, _ = refs("llama")
+    found = pool.run(trainwork.clip_errors, path)[0]
+    assert found["no_sync"] == "no error"  # tp only, no partial sums: nothing waits for a reduction
+    assert "1 of the 22 gradients (e.g. one of shape [3]) belong to no model hp_lazy bound" in found["foreign"]
+    assert "norm_type=0.0 is not implemented for a parallel model" in found["norm0"]
+    assert found["plain"] == f"{math.sqrt(3):.6f}"
+
+
+def test_dispatch_batches_is_refused(pool: DistPool, refs, tmp_path) -> None:
+    with pytest.raises(WorkerError, match=r"dispatch_batches=True splits each batch over all ranks"):
+        pool.run(trainwork.dispatching_loader)

@@ -1,0 +1,247 @@
+"""Runs shared by the Trainer and clipping test modules: the stock transformers ``Trainer`` and a
+user loop with the stock ``torch.nn.utils.clip_grad_norm_``, on the ranks of a pool (under an
+active plan) and in the pytest process (one process, plain transformers: the reference).
+
+Every run sees one global batch: the dp ranks split it, the ranks of a tp group read the same
+rows (the Trainer's data loader does it through hp_lazy's accelerate integration).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import dpwork
+import models
+import parity
+
+GLOBAL_BATCH = 4
+TOL = {"sgd": parity.TOL, "adamw_torch": 1e-4}
+"""AdamW divides by sqrt(v) + eps: fp32 round-off in a small gradient entry moves its update by
+much more than its relative size. Seen: hp_lazy vs one process 4.6e-5 (one parameter, 3 steps);
+one process against itself with gradient accumulation 2 instead of 1 (same math, other
+summation order) 2.5e-5; SGD 5.7e-8."""
+ROWS = 16  # the data set: 4 global batches of 4 rows x 16 tokens
+
+
+def _dp_size() -> int:
+    import hp_lazy
+    from hp_lazy.api import active_plan
+
+    return hp_lazy.mesh().group("dp").size if active_plan() is not None else 1
+
+
+class Rows:
+    """A map-style data set of causal-LM rows (input_ids = labels)."""
+
+    def __init__(self) -> None:
+        self.ids = models.batch(seed=3, batch_size=ROWS)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def trainer(rank: int, world: int, path: str, out: str, optim: str = "sgd", ga: int = 1,
+            parallelize: bool = False, max_grad_norm: float = 1.0, data_parallel: bool | None = None) -> dict[str, Any]:
+    """``Trainer(model=model, args=TrainingArguments(...), train_dataset=...).train()``, 3 steps;
+    every rank returns its log (loss and grad_norm per step), rank 0 the full parameters too."""
+    import torch
+    from transformers import Trainer, TrainingArguments
+
+    import hp_lazy
+
+    model = parity._load(path)
+    if parallelize or data_parallel is not None:
+        hp_lazy.parallelize(model, data_parallel=data_parallel)  # False: torch DDP over the dp group
+    lr = 0.1 if optim == "sgd" else 1e-3
+    args = TrainingArguments(
+        output_dir=out, per_device_train_batch_size=GLOBAL_BATCH // (_dp_size() * ga), gradient_accumulation_steps=ga,
+        max_steps=3, logging_steps=1, report_to=[], optim=optim, learning_rate=lr, weight_decay=0.01,
+        max_grad_norm=max_grad_norm, save_strategy="no", use_cpu=True, disable_tqdm=True,
+    )
+    run = Trainer(model=model, args=args, train_dataset=Rows())
+    run.train()
+    logged = [h for h in run.state.log_history if "loss" in h]
+    result: dict[str, Any] = {
+        "loss": torch.tensor([h["loss"] for h in logged], dtype=torch.float64),
+        "grad_norm": torch.tensor([h["grad_norm"] for h in logged], dtype=torch.float64),
+        "wrapped": type(run.model_wrapped).__name__,
+        "total_batch": run.get_total_train_batch_size(args),
+    }
+    state = hp_lazy.full_state_dict(model)
+    if rank == 0:
+        result["state"] = state
+    return result
+
+
+class FewRows(Rows):
+    """6 rows: the last evaluation batch of 4 is cut to 2 (``gather_for_metrics``'s remainder)."""
+
+    def __len__(self) -> int:
+        return 6
+
+
+def evaluate(rank: int, world: int, path: str, out: str) -> float:
+    """``Trainer(model=model, args=..., eval_dataset=...).evaluate()["eval_loss"]``."""
+    from transformers import Trainer, TrainingArguments
+
+    args = TrainingArguments(output_dir=out, per_device_eval_batch_size=GLOBAL_BATCH // _dp_size(), report_to=[],
+                             use_cpu=True, disable_tqdm=True)
+    return float(Trainer(model=parity._load(path), args=args, eval_dataset=FewRows()).evaluate()["eval_loss"])
+
+
+def compare_trainer(got: dict[str, Any], ref: dict[str, Any], tol: float = parity.TOL) -> dict[str, float]:
+    errors = {"loss": models.rel_err(got["loss"], ref["loss"]), "grad_norm": models.rel_err(got["grad_norm"], ref["grad_norm"])}
+    errors.update({f"param {n}": models.rel_err(got["state"][n], v) for n, v in ref["state"].items()})
+    bad = {k: v for k, v in errors.items() if not v <= tol}
+    assert not bad, f"relative errors above {tol}: {dict(list(bad.items())[:6])}"
+    return errors
+
+
+@contextlib.contextmanager
+def stock_stack() -> Iterator[None]:
+    """Negative control: accelerate's and torch's own functions, as before hp_lazy routed them."""
+    import accelerate.accelerator as acc
+    import transformers.trainer as trainer
+    from torch.nn import utils
+    from torch.nn.utils import clip_grad
+
+    routed = [(acc.Accelerator, n) for n in ("prepare_model", "no_sync", "clip_grad_norm_", "gather_for_metrics")]
+    routed += [(trainer.Trainer, "get_tp_size"), (acc, "prepare_data_loader"), (clip_grad, "_get_total_norm"),
+               (utils, "get_total_norm")]
+    saved = [getattr(owner, name) for owner, name in routed]
+    try:
+        for (owner, name), fn in zip(routed, saved, strict=True):
+            setattr(owner, name, fn.__wrapped__)
+        yield
+    finally:
+        for (owner, name), fn in zip(routed, saved, strict=True):
+            setattr(owner, name, fn)
+
+
+def stock_trainer(rank: int, world: int, path: str, out: str) -> dict[str, Any]:
+    with stock_stack():
+        return trainer(rank, world, path, out, parallelize=True)
+
+
+def clip_loop(rank: int, world: int, path: str, norm_type: float, max_norm: float = 0.5,
+              wrap: str = "hp") -> dict[str, Any]:
+    """A user loop: forward, backward, ``torch.nn.utils.clip_grad_norm_``; the total norm on every
+    rank, what torch's unrouted function says on this rank (the old, wrong number), and the
+    clipped full gradients on rank 0."""
+    import torch
+    from torch.nn.utils import clip_grad
+
+    import hp_lazy
+
+    model = _loop_model(path, data_parallel=(wrap == "hp"))
+    ids = models.batch(seed=3, batch_size=ROWS)[:GLOBAL_BATCH]
+    dp = hp_lazy.mesh().group("dp") if world > 1 else None
+    mine = ids.chunk(dp.size)[dp.rank] if dp is not None else ids
+    net = dpwork._wrapped(model, wrap) if world > 1 else model  # "ddp"/"fsdp" over the dp group
+    net(input_ids=mine, labels=mine).loss.backward()
+    unrouted = getattr(clip_grad._get_total_norm, "__wrapped__", clip_grad._get_total_norm)
+    local = unrouted([p.grad for p in model.parameters() if p.grad is not None], norm_type)
+    total = torch.nn.utils.clip_grad_norm_(net.parameters(), max_norm, norm_type=norm_type)
+    result = {"norm": float(total), "local": float(local)}
+    grads = hp_lazy.full_grads(model) if world > 1 else {n: p.grad.clone() for n, p in model.named_parameters()}
+    if rank == 0:
+        result["grads"] = grads
+    return result
+
+
+def _loop_model(path: str, data_parallel: bool = True):
+    import hp_lazy
+    from hp_lazy.api import active_plan
+
+    model = parity._load(path)
+    return hp_lazy.parallelize(model, data_parallel=data_parallel) if active_plan() is not None else model
+
+
+def compare_clip(got: list[dict[str, Any]], ref: dict[str, Any]) -> float:
+    """Every rank's norm equals one process's; rank 0's clipped full gradients too."""
+    for r in got:
+        assert abs(r["norm"] - ref["norm"]) <= parity.TOL * ref["norm"], (r["norm"], ref["norm"])
+    errors = {n: models.rel_err(got[0]["grads"][n], g) for n, g in ref["grads"].items()}
+    bad = {k: v for k, v in errors.items() if not v <= parity.TOL}
+    assert not bad, f"clipped gradients off: {dict(list(bad.items())[:4])}"
+    return max(abs(r["norm"] - ref["norm"]) / ref["norm"] for r in got)
+
+
+def clip_under_no_sync(rank: int, world: int, path: str) -> str:
+    """Clipping gradients hp_lazy has not reduced over dp yet is refused."""
+    import torch
+
+    import hp_lazy
+
+    model = hp_lazy.parallelize(parity._load(path))
+    ids = models.batch(seed=3, batch_size=2)
+    with hp_lazy.no_sync(model):
+        model(input_ids=ids, labels=ids).loss.backward()
+    error = _raised(lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
+    model(input_ids=ids, labels=ids).loss.backward()  # reduces what was accumulated
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    return error
+
+
+def clip_errors(rank: int, world: int, path: str) -> dict[str, str]:
+    """The refusals: a call mixing foreign tensors, under no_sync, norm_type 0."""
+    import torch
+
+    import hp_lazy
+
+    model = hp_lazy.parallelize(parity._load(path))
+    ids = models.batch(seed=3, batch_size=2)
+    found = {}
+    with hp_lazy.no_sync(model):
+        model(input_ids=ids, labels=ids).loss.backward()
+    found["no_sync"] = _raised(lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
+    model(input_ids=ids, labels=ids).loss.backward()  # reduces what was accumulated
+    foreign = torch.nn.Parameter(torch.ones(3))
+    foreign.grad = torch.ones(3)
+    found["foreign"] = _raised(lambda: torch.nn.utils.clip_grad_norm_([*model.parameters(), foreign], 1.0))
+    found["norm0"] = _raised(lambda: hp_lazy.clip_grad_norm_(model.parameters(), 1.0, norm_type=0))
+    plain = torch.nn.utils.clip_grad_norm_([foreign], 1.0)  # no hp_lazy gradient: torch's own
+    found["plain"] = f"{float(plain):.6f}"
+    return found
+
+
+def _raised(fn) -> str:
+    from hp_lazy.errors import ShardingError
+
+    try:
+        fn()
+    except ShardingError as err:
+        return str(err)
+    return "no error"
+
+
+def dispatching_loader(rank: int, world: int) -> None:
+    """accelerate's dispatcher splits batches over all ranks: refused under a tp plan."""
+    import torch
+    from accelerate import Accelerator, DataLoaderConfiguration
+
+    loader = torch.utils.data.DataLoader(list(range(8)), batch_size=2)
+    Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(dispatch_batches=True)).prepare(loader)
+
+
+def trainer_after_deactivate(rank: int, world: int, path: str, out: str) -> dict[str, Any]:
+    """The model's module was lowered, then the plan deactivated: the Trainer still shards the
+    data by the mesh the module was lowered for."""
+    import warnings
+
+    import hp_lazy
+    from hp_lazy.api import active_plan
+
+    plan = active_plan()
+    hp_lazy.deactivate()
+    try:
+        return trainer(rank, world, path, out)
+    finally:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the lowered module stays imported
+            hp_lazy.activate(plan)
