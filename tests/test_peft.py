@@ -145,11 +145,11 @@ def test_lora_dropout_is_one_process_masks(peft_refs, pool2: DistPool, tmp_path)
     assert max(parity.compare(results[0], ref).values()) <= parity.TOL
 
 
-def _run_dora(rank: int, world: int, path: str) -> str:
+def _run_refused(rank: int, world: int, path: str, targets: list[str], extra: dict) -> str:
     import hp_lazy
     from hp_lazy.errors import ShardingError
 
-    peft_model = _peft(parity._load(path), targets=["o_proj"], use_dora=True)
+    peft_model = _peft(parity._load(path), targets=targets, **extra)
     try:
         hp_lazy.parallelize(peft_model.base_model.model)
     except ShardingError as exc:
@@ -157,10 +157,18 @@ def _run_dora(rank: int, world: int, path: str) -> str:
     return "bound"
 
 
-def test_dora_is_refused(peft_refs, pool2: DistPool) -> None:
+@pytest.mark.parametrize(
+    ("targets", "extra", "message"),
+    [
+        (["o_proj"], {"use_dora": True}, "model.layers.0.self_attn.o_proj: LoRA variant ['DoraLinearVariant'] (adapters ['default'])"),
+        (["o_proj"], {"lora_bias": True}, "model.layers.0.self_attn.o_proj: lora_bias=True on a rowwise base"),
+        (["embed_tokens"], {}, "model.embed_tokens: PEFT wraps this sharded Embedding (S(0)) in peft.tuners.lora"),
+    ],
+)
+def test_what_cannot_be_exact_is_refused(targets, extra, message: str, peft_refs, pool2: DistPool) -> None:
     path, _ = peft_refs["llama_bias"]
-    (message, _) = _ready(pool2, False).run(_run_dora, path)
-    assert "model.layers.0.self_attn.o_proj: LoRA variant" in message and "use_dora=False" in message
+    got = _ready(pool2, False).run(_run_refused, path, targets, extra)
+    assert message in got[0] and got[0] == got[1]
 
 
 def _attributes(rank: int, world: int, path: str) -> list[str]:

@@ -179,8 +179,9 @@ def _refuse_unsupported(where: str, tuner: nn.Module, base: nn.Module, layout: P
     variants = dict(getattr(tuner, "lora_variant", {}) or {})
     if variants or any(getattr(tuner, "use_dora", {}).values()):
         raise ShardingError(
-            f"{where}: LoRA variant {sorted(variants) or ['dora']} on a base sharded {layout.describe()} is not "
-            "supported (DoRA normalises over the whole weight); use plain LoRA (use_dora=False) for this module"
+            f"{where}: LoRA variant {sorted({type(v).__name__ for v in variants.values()}) or ['DoRA']} (adapters "
+            f"{sorted(variants)}) on a base sharded {layout.describe()} is not supported (DoRA normalises over the "
+            "whole weight); use plain LoRA (use_dora=False) for this module"
         )
     cuts = layout.shards
     if any(c.dim not in (0, 1) for c in cuts):
