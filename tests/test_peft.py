@@ -232,3 +232,29 @@ def test_unsummed_adapter_gradients_fail_parity(peft_refs, pool2: DistPool) -> N
     assert models.rel_err(got["loss"], ref["loss"]) <= parity.TOL  # forward is unaffected
     with pytest.raises(AssertionError, match=r"grad base_model\.model\.model\.layers\.0\.self_attn\.q_proj\.lora_A"):
         parity.compare(got, ref)
+
+
+def _adapter_norm(model, ids) -> float:
+    import torch
+
+    model(input_ids=ids, labels=ids).loss.backward()
+    return float(torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1e9))
+
+
+def _run_norm(rank: int, world: int, path: str, ids) -> float:
+    import hp_lazy
+
+    model = hp_lazy.parallelize(parity._load(path))
+    return _adapter_norm(_peft(model), ids)
+
+
+def test_stock_clip_grad_norm_of_adapters(peft_refs, pool2: DistPool) -> None:
+    """torch's clip_grad_norm_ over the adapters (what Trainer clips): one process's norm."""
+    import torch
+    import transformers
+
+    path, _ = peft_refs["llama_bias"]
+    norms = _ready(pool2, False).run(_run_norm, path, models.batch())
+    torch.manual_seed(0)
+    ref = _adapter_norm(_peft(transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)), models.batch())
+    assert all(abs(n - ref) <= parity.TOL * ref for n in norms), (norms, ref)
