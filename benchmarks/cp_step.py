@@ -7,7 +7,8 @@ downloaded). For each sequence length, fresh processes run, alternately, ``--rep
   cp              ``hp_lazy.activate("auto", cp=W)`` on W ranks, 1 thread each: K/V all-gathered,
                   only local tensors saved, re-gathered in backward (hp_lazy's default; causal
                   attention by two flash calls per chunk merged by log-sum-exp)
-  cp, K/V saved   the same collectives, but one masked SDPA per layer through plain autograd,
+  cp ulysses      ``cp_mode="ulysses"``: all-to-all to head shards, whole-sequence flash attention
+  cp, K/V saved   the allgather mode's collectives, but one masked SDPA per layer through plain autograd,
                   which keeps the gathered K/V of every layer (no re-gather): what the custom
                   function saves
 
@@ -33,7 +34,7 @@ import tempfile
 import time
 from typing import Any
 
-VARIANTS = ("one process", "cp", "cp, K/V saved")
+VARIANTS = ("one process", "cp", "cp ulysses", "cp, K/V saved")
 
 
 def _args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -136,7 +137,7 @@ def _worker(rank: int, world: int, variant: str, path: str, seq: int, steps: int
     torch.set_num_threads(1)
     import hp_lazy
 
-    hp_lazy.activate("auto", cp=world)
+    hp_lazy.activate("auto", cp=world, cp_mode="ulysses" if variant == "cp ulysses" else "allgather")
     import torch.distributed as dist
     import transformers
 
@@ -197,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"| {seq} | {variant} | {step:.2f} | {step / base[0]:.2f} | {saved / 2**20:.0f} | "
                     f"{saved / base[1]:.2f} | {peak / 2**20:.0f} | {peak / max(base[2], 1):.2f} |"
                 )
-            print(lines[-3:], flush=True)
+            print(lines[-len(VARIANTS):], flush=True)
     print("\n".join(lines))
     return 0
 

@@ -97,10 +97,10 @@ def error(rank: int, world: int, path: str, data: dict[str, Any]) -> str:
     return "ok"
 
 
-def activate(rank: int, world: int, cp: int, tp: int) -> None:
+def activate(rank: int, world: int, cp: int, tp: int, mode: str = "allgather") -> None:
     import hp_lazy
 
-    hp_lazy.activate("auto", cp=cp, tp=tp)
+    hp_lazy.activate("auto", cp=cp, tp=tp, cp_mode=mode)
 
 
 def train_broken(rank: int, world: int, path: str, data: dict[str, Any], how: str) -> dict[str, Any]:

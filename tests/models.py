@@ -31,6 +31,10 @@ MORE_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3_sliding": ("Qwen3Config", {"head_dim": 8, "num_key_value_heads": 2, "use_sliding_window": True,
                                       "sliding_window": 6, "max_window_layers": 1,
                                       "layer_types": ["sliding_attention", "full_attention"]}),
+    # two heads: fewer than cp=4 ranks, which Ulysses cannot split
+    "llama_2heads": ("LlamaConfig", {"num_attention_heads": 2, "num_key_value_heads": 2}),
+    # a fused qkv_proj planned as leaves (no attention boundary in its TP plan)
+    "phi3": ("Phi3Config", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
     # dynamic RoPE rescales by the largest position seen: 16-token batches pass the 8 it was built for
     "llama_dynamic": ("LlamaConfig", {"max_position_embeddings": 8,
                                       "rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}}),

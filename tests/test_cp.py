@@ -23,7 +23,8 @@ def ready(pool2: DistPool, tmp_path_factory):
 
 CASES = [("llama_gqa", "plain"), ("qwen3", "plain"), ("llama_bias", "plain"), ("qwen3_sliding", "plain"),
          ("llama_dynamic", "plain"), ("llama_gqa", "packed"), ("llama_gqa", "packed_cached"), ("qwen3_sliding", "packed"),
-         ("llama_gqa", "padded"), ("llama_gqa", "left_padded"), ("qwen3_moe", "plain")]
+         ("llama_gqa", "padded"), ("llama_gqa", "left_padded"), ("qwen3_moe", "plain"),
+         ("phi3", "plain")]
 
 
 @pytest.mark.parametrize(("name", "kind"), CASES)
@@ -106,3 +107,16 @@ def test_stock_clip_grad_norm_gives_one_process_norm(ready) -> None:
     data = cpwork.batch("plain")
     want = cpwork.grad_norm(0, 1, path, data)
     assert [abs(n - want) / want for n in pool.run(cpwork.grad_norm, path, data)] < [1e-6, 1e-6]
+
+
+def test_stock_trainer_under_cp(ready, tmp_path) -> None:
+    """The stock Trainer (default args: clipping at 1.0, SGD) under cp=2: both ranks read the same
+    rows, and losses, logged grad norms and parameters after 3 steps are one process's."""
+    import trainwork
+
+    pool, root = ready
+    path = models.build("llama_gqa", root)
+    ref = trainwork.trainer(0, 1, path, str(tmp_path / "ref"))
+    got = pool.run(trainwork.trainer, path, str(tmp_path / "hp"))
+    trainwork.compare_trainer(got[0], ref)
+    assert [g["total_batch"] for g in got] == [ref["total_batch"]] * 2

@@ -36,7 +36,7 @@ def _check(pool: DistPool, path: str, data: dict) -> None:
 
 
 @pytest.mark.parametrize(("name", "kind"), [("llama_gqa", "plain"), ("qwen3", "plain"), ("llama_bias", "plain"),
-                                            ("qwen3_sliding", "packed"), ("llama_gqa", "padded")])
+                                            ("qwen3_sliding", "packed"), ("llama_gqa", "padded"), ("phi3", "plain")])
 def test_cp2_tp2(cp2tp2: DistPool, root: str, name: str, kind: str) -> None:
     _check(_ready(cp2tp2, 2, 2), models.build(name, root), cpwork.batch(kind))
 

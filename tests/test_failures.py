@@ -199,4 +199,5 @@ def test_a_rank_that_never_arrives_makes_its_peer_raise_within_the_timeout(tmp_p
             p.kill()
     assert procs[0].returncode == 3, (out, err[-2000:])
     waited = float(out.split("RAISED after ")[1].split("s:")[0])
+    print(f"peer raised after {waited:.1f}s")
     assert waited < 30, out  # bounded by HP_LAZY_PG_TIMEOUT_S (4 s), not torch's 30 minutes

@@ -261,7 +261,6 @@ def test_inner_and_region_are_validated_strictly(body: dict, expected: str) -> N
 @pytest.mark.parametrize(
     ("body", "expected"),
     [
-        ({"inner": {"call": "attention", "kind": "cp_ulysses"}}, "inner: kind 'cp_ulysses' (context parallel)"),
         ({"region": {"kind": "ep_dispatch"}}, "region: kind 'ep_dispatch' (expert parallel)"),
     ],
 )

@@ -106,6 +106,8 @@ class _Builder:
                 self._fail(rule, "has no packed_colwise/colwise -> rowwise expert parameters under it to shard")
         if self.vocab_embedding:
             self._implicit_embeddings(rules)
+        if self.inner is not None:
+            self._attention_only(rules)
         self._check_nesting()
         if self.sp:
             self._containers(grouped, boundaries, rules)
@@ -303,6 +305,24 @@ class _Builder:
                 out[field] = sorted(body[field])
         return out
 
+    def _attention_only(self, rules: list[Rule]) -> None:
+        """Context parallel needs its inner op on every attention module, also where the TP plan
+        makes no boundary of it (fused ``qkv_proj`` planned as leaves, or a plan naming only the
+        embedding): a contract with the op alone, for the parents of planned keys and for the
+        children of the decoder layers (``layers.*.<child>``) whose forward calls attention."""
+        found: set[tuple[str, str, str]] = set()
+        for rule in rules:
+            parent = rule.key.rpartition(".")[0]
+            if parent and not rule.head:
+                found.add((rule.base, rule.prefix, parent))
+            for layer in sorted(self.facts.resolve(rule.base, "layers.*")) if not rule.head else ():
+                if layer in self.facts.classes:
+                    found.update((rule.base, rule.prefix, f"layers.*.{child}") for child in self.facts.children(layer))
+        for base, prefix, key in sorted(found):
+            names = self.facts.resolve(base, key)
+            if prefix + key not in self.bodies and len(names) == 1 and self._calls_attention(next(iter(names))):
+                self._add(prefix + key, {"inner": dict(self.inner or {})}, f"{base} (cp attention)")
+
     def _calls_attention(self, name: str) -> bool:
         """Its forward dispatches through transformers' attention interface (context parallel's call site)."""
         forward = self.facts.forward(name)
@@ -313,6 +333,8 @@ class _Builder:
     def _check_nesting(self) -> None:
         patterns = sorted(self.bodies)
         for outer in patterns:
+            if set(self.bodies[outer][0]) == {"inner"}:
+                continue  # an op-only contract (cp attention) changes no placement inside it
             for inner in patterns:
                 if inner.startswith(outer + ".") and self._contains(outer, inner[len(outer) + 1 :]):
                     raise PlanError(

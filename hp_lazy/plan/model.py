@@ -40,8 +40,8 @@ INNER_KINDS: Mapping[str, str] = MappingProxyType(
     {"cp_allgather_kv": "context parallel", "cp_ulysses": "context parallel"}
 )
 REGION_KINDS: Mapping[str, str] = MappingProxyType({"ep_dispatch": "expert parallel"})
-IMPLEMENTED: frozenset[str] = frozenset({"cp_allgather_kv"})
-"""Inner-op and region kinds hp_lazy lowers and runs (``cp_ulysses`` and ``ep_dispatch`` are not yet)."""
+IMPLEMENTED: frozenset[str] = frozenset({"cp_allgather_kv", "cp_ulysses"})
+"""Inner-op and region kinds hp_lazy lowers and runs (``ep_dispatch`` is not yet)."""
 CP_MODES: Mapping[str, str] = MappingProxyType({"allgather": "cp_allgather_kv", "ulysses": "cp_ulysses"})
 """``Plan.auto(cp_mode=...)`` -> the inner-op kind it puts on attention boundaries."""
 

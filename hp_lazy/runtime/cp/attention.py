@@ -22,6 +22,13 @@ as 1/C. Two kernels:
   non-causal layers, CUDA): one SDPA call with a boolean mask over global token indices; it saves
   the local Q, K, V and recomputes the attention in backward.
 
+Ulysses (``cp_ulysses``): an all-to-all takes Q, K and V (K and V in one call) from sequence
+shards of every head to the whole sequence of ``heads / C`` heads; attention runs over the whole
+sequence in sequence order (``is_causal``, or the whole-sequence mask); a second all-to-all takes
+the output back. K/V heads fewer than ``C`` are replicated first. Per layer: forward two
+all-to-alls in, one out; backward the same. No zigzag balancing is needed (every rank computes
+whole rows); the zigzag rows are used anyway, so both modes share the entry.
+
 Registered under :data:`KEY`, a name transformers' mask code does not know: ``create_causal_mask``
 then returns ``None`` and builds no (wrong, local) mask, and the modeling code's own
 ``ALL_ATTENTION_FUNCTIONS.get_interface(...)`` call dispatches here.
@@ -36,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hp_lazy.errors import ShardingError
-from hp_lazy.runtime.comm import wire
+from hp_lazy.runtime.comm import all_to_all, wire
 from hp_lazy.runtime.cp.state import current
 from hp_lazy.runtime.mesh import Group
 
@@ -206,6 +213,8 @@ def cp_attention(
         raise ShardingError(f"{where}: attention sinks (s_aux) are not supported under context parallel yet")
     causal = bool(getattr(module, "is_causal", True)) if is_causal is None else bool(is_causal)
     plain = causal and sliding_window is None and state.docs is None and state.key_padding is None
+    if state.mode == "cp_ulysses":
+        return _ulysses(where, query, key, value, state, causal, sliding_window, plain, scaling), None
     if plain and query.device.type == "cpu" and key.shape[-1] == value.shape[-1]:
         out = _ZigzagCausal.apply(query, key, value, scaling, state.group, state.zig)
         return out.transpose(1, 2).contiguous(), None
@@ -216,3 +225,33 @@ def cp_attention(
         kg, vg = _gather(key, value, state.group, "forward")
         out = _attend(query, kg, vg, mask, scaling)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _ulysses(
+    where: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, state: Any, causal: bool,
+    window: int | None, plain: bool, scale: float | None,
+) -> torch.Tensor:
+    g, zig = state.group, state.zig
+    heads, kv = query.shape[1], key.shape[1]
+    if heads % g.size:
+        raise ShardingError(
+            f"{where}: cp_mode='ulysses' splits this rank's {heads} attention heads over cp={g.size}, which does not "
+            f"divide them; use cp_mode='allgather', or a cp (x tp) that divides the heads"
+        )
+    if kv % g.size:  # fewer K/V heads than ranks: each rank gets the copies its query heads use
+        key, value = key.repeat_interleave(heads // kv, dim=1), value.repeat_interleave(heads // kv, dim=1)
+    q = all_to_all(query, g, 2, 1).index_select(2, zig.inverse)
+    if key.shape == value.shape:
+        both = all_to_all(torch.stack([key, value]), g, 3, 2).index_select(3, zig.inverse)
+        k, v = both[0], both[1]
+    else:
+        k = all_to_all(key, g, 2, 1).index_select(2, zig.inverse)
+        v = all_to_all(value, g, 2, 1).index_select(2, zig.inverse)
+    groups = q.shape[1] // k.shape[1]
+    k, v = _expand(k, groups), _expand(v, groups)
+    if plain:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=state.mask(causal, window, whole=True), scale=scale)
+    out = all_to_all(out.index_select(2, zig.gathered), g, 1, 2)  # [B, H, S/C, Dv], this rank's rows
+    return out.transpose(1, 2).contiguous()

@@ -55,9 +55,10 @@ def packed_documents(positions: torch.Tensor) -> torch.Tensor | None:
 class ContextEntry:
     """Split one call's batch over the cp group (see the module doc)."""
 
-    def __init__(self, owner: str, group: Group) -> None:
+    def __init__(self, owner: str, group: Group, mode: str = "cp_allgather_kv") -> None:
         self.owner = owner
         self.group = group
+        self.mode = mode
         self._signatures: dict[Callable[..., Any], inspect.Signature] = {}
 
     def __call__(self, forward: Callable[..., Any], module: nn.Module, args: tuple, kwargs: dict) -> Any:
@@ -165,5 +166,7 @@ class ContextEntry:
                 call["num_items_in_batch"] = (shifted != IGNORE).sum()
             local = shifted.index_select(1, zig.local)
             call["labels"] = call["shift_labels"] = local
-        state = cp_state.CallState(group=self.group, zig=zig, positions=positions, docs=docs, key_padding=padding)
+        state = cp_state.CallState(
+            group=self.group, zig=zig, mode=self.mode, positions=positions, docs=docs, key_padding=padding
+        )
         return call, state, has_labels

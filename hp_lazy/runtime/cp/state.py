@@ -23,24 +23,29 @@ _CURRENT: contextvars.ContextVar[CallState | None] = contextvars.ContextVar("hp_
 class CallState:
     group: Group
     zig: Zigzag
+    mode: str
+    """The inner op's kind: ``cp_allgather_kv`` or ``cp_ulysses``."""
     positions: torch.Tensor
     """``[B, S]`` global position ids (what RoPE is computed from)."""
     docs: torch.Tensor | None
     """``[B, S]`` packed-sequence ids (transformers' detection: positions that do not step by 1), or None."""
     key_padding: torch.Tensor | None
     """``[B, S]`` bool, True for tokens that may be attended to (a 2-D attention mask), or None."""
-    masks: dict[tuple[bool, int | None], torch.Tensor | None] = field(default_factory=dict)
+    masks: dict[tuple[bool, bool, int | None], torch.Tensor | None] = field(default_factory=dict)
 
-    def mask(self, causal: bool, window: int | None) -> torch.Tensor | None:
-        """``[B or 1, 1, S/C, S]`` bool: local query rows x all-gathered key rows; None for no mask."""
-        key = (causal, window)
+    def mask(self, causal: bool, window: int | None, *, whole: bool = False) -> torch.Tensor | None:
+        """``[B or 1, 1, S/C, S]`` bool: local query rows x all-gathered key rows (``whole``: ``[.., S, S]``,
+        every query and key in sequence order, for Ulysses); None for no mask."""
+        key = (whole, causal, window)
         if key not in self.masks:
-            self.masks[key] = self._build(causal, window)
+            self.masks[key] = self._build(causal, window, whole)
         return self.masks[key]
 
-    def _build(self, causal: bool, window: int | None) -> torch.Tensor | None:
-        q = self.zig.local[:, None]
-        k = self.zig.gathered[None, :]
+    def _build(self, causal: bool, window: int | None, whole: bool = False) -> torch.Tensor | None:
+        everyone = torch.arange(self.zig.seq, device=self.zig.local.device)
+        rows, cols = (everyone, everyone) if whole else (self.zig.local, self.zig.gathered)
+        q = rows[:, None]
+        k = cols[None, :]
         mask: torch.Tensor | None = None
         if causal:
             mask = k <= q
@@ -49,10 +54,10 @@ class CallState:
             mask = near if mask is None else mask & near
         mask = None if mask is None else mask[None, None]
         if self.docs is not None:
-            same = self.docs[:, self.zig.local][:, None, :, None] == self.docs[:, self.zig.gathered][:, None, None, :]
+            same = self.docs[:, rows][:, None, :, None] == self.docs[:, cols][:, None, None, :]
             mask = same if mask is None else mask & same
         if self.key_padding is not None:
-            keys = self.key_padding[:, self.zig.gathered][:, None, None, :]
+            keys = self.key_padding[:, cols][:, None, None, :]
             mask = keys if mask is None else mask & keys
         return mask
 

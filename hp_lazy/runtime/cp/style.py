@@ -35,6 +35,7 @@ class ContextParallelStyle:
 
     def __init__(self) -> None:
         self.attention: dict[int, str] = {}
+        self.kinds: set[str] = set()
 
     def validate(self, fqn: str, module: nn.Module, contract: Contract, ctx: BindContext) -> None:
         if contract.inner is None or not contract.inner.kind.startswith("cp_"):
@@ -54,6 +55,7 @@ class ContextParallelStyle:
                     "train this family without cp"
                 )
         self.attention[id(module)] = fqn
+        self.kinds.add(contract.inner.kind)
 
     def replicas(self, fqn: str, module: nn.Module, contract: Contract, ctx: BindContext) -> dict[str, int]:
         return {}
@@ -84,11 +86,11 @@ class ContextParallelStyle:
             and id(m) not in self.attention
         ]
         if not self.attention or unplanned:
+            missing = f"{unplanned[:3]} do not" if unplanned else "no attention module carries it"
             raise ShardingError(
                 f"{family}: context parallel needs every attention module to carry the plan's cp inner op, but "
-                f"{unplanned[:3] or 'none'} {'do' if unplanned else 'does'} not (planned: "
-                f"{sorted(self.attention.values())[:3]}); add \"inner\": {{\"call\": \"attention\", \"kind\": "
-                "\"cp_allgather_kv\"} to their boundaries, or use Plan.auto(cp=...)"
+                f"{missing} (planned: {sorted(self.attention.values())[:3]}); add \"inner\": {{\"call\": "
+                "\"attention\", \"kind\": \"cp_allgather_kv\"} to their boundaries, or use Plan.auto(cp=...)"
             )
         attention.register()
         if config is None:
@@ -97,7 +99,11 @@ class ContextParallelStyle:
         for name, module in root.named_modules():
             if rope.is_rotary(module):
                 rope.wrap_rotary(module, f"{name} ({family})")
-        root.__dict__[CP_ENTRY] = ContextEntry(family, ctx.groups["cp"])
+        if len(self.kinds) > 1:
+            raise ShardingError(
+                f"{family}: its attention modules carry different cp inner ops {sorted(self.kinds)}; use one kind"
+            )
+        root.__dict__[CP_ENTRY] = ContextEntry(family, ctx.groups["cp"], next(iter(self.kinds)))
 
 
 def _calls_attention(module: nn.Module) -> bool:

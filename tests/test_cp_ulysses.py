@@ -1,0 +1,60 @@
+"""Context parallel, Ulysses mode (``cp_mode="ulysses"``): all-to-all from sequence shards to head
+shards and back, at cp=2 (world 2) and cp=4 (world 4: one query head per rank, the two K/V heads
+replicated), against one process; collectives per layer; heads the mode cannot split are refused."""
+
+from __future__ import annotations
+
+import cpwork
+import models
+import parity
+import pytest
+from dist import DistPool, pool_fixture
+
+pool2 = pool_fixture(2, timeout=120)
+pool4 = pool_fixture(4, timeout=180)
+
+
+def _ready(pool: DistPool, cp: int) -> DistPool:
+    if getattr(pool, "_hp_activated", None) is not pool._procs or not pool._procs:
+        pool.run(cpwork.activate, cp, 1, "ulysses")
+        pool._hp_activated = pool._procs
+    return pool
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("models"))
+
+
+def _check(pool: DistPool, path: str, data: dict) -> None:
+    ref = cpwork.reference(path, data)
+    results = pool.run(cpwork.train, path, data)
+    parity.compare(results[0], ref)
+    for other in results[1:]:
+        assert models.rel_err(other["loss"], ref["loss"]) <= parity.TOL
+        assert models.rel_err(other["logits"], ref["logits"]) <= parity.TOL
+
+
+@pytest.mark.parametrize(("name", "kind"), [("llama_gqa", "plain"), ("qwen3", "plain"), ("qwen3_sliding", "packed"),
+                                            ("llama_gqa", "padded"), ("llama_dynamic", "plain")])
+def test_ulysses_cp2(pool2: DistPool, root: str, name: str, kind: str) -> None:
+    _check(_ready(pool2, 2), models.build(name, root), cpwork.batch(kind))
+
+
+def test_ulysses_collectives_per_layer(pool2: DistPool, root: str) -> None:
+    counts = _ready(pool2, 2).run(cpwork.count, models.build("llama_gqa", root), cpwork.batch("plain"))
+    layers = models.BASE["num_hidden_layers"]
+    # per layer: Q, then K and V together, to head shards; the output back; backward the same three
+    assert counts == [{"forward": {"all_to_all": 3 * layers, "all_reduce": 1},
+                       "backward": {"all_to_all": 3 * layers, "all_reduce": 1}}] * 2
+
+
+@pytest.mark.parametrize(("name", "kind"), [("llama_gqa", "plain"), ("qwen3_sliding", "packed")])
+def test_ulysses_cp4_replicates_kv_heads(pool4: DistPool, root: str, name: str, kind: str) -> None:
+    _check(_ready(pool4, 4), models.build(name, root), cpwork.batch(kind))
+
+
+def test_heads_ulysses_cannot_split_are_refused(pool4: DistPool, root: str) -> None:
+    got = _ready(pool4, 4).run(cpwork.error, models.build("llama_2heads", root), cpwork.batch("plain"))
+    assert got == ["ShardingError: LlamaAttention: cp_mode='ulysses' splits this rank's 2 attention heads over cp=4, "
+                   "which does not divide them; use cp_mode='allgather', or a cp (x tp) that divides the heads"] * 4
