@@ -37,13 +37,24 @@ GRADS_ATTR = "_hp_grads"
 LEAF_INPUTS = "_hp_inputs"
 """Leaf modules: (input name, position) pairs their entry ops apply to."""
 VOCAB_RANGE = "_hp_vocab"
-"""Vocab-parallel embedding: the ``[start, end)`` rows it holds and the whole vocabulary's size."""
+"""Vocab-parallel embedding: ``(start, end, vocab, padding_idx)``: its rows ``[start, end)``, the
+whole vocabulary's size and padding id."""
 CP_ENTRY = "_hp_cp_entry"
 """Bound root's ``__dict__`` key: its context-parallel :class:`~hp_lazy.runtime.cp.entry.ContextEntry`."""
 INPUT_CHECK = "_hp_input_check"
 """Bound root's ``__dict__`` key: its :class:`~hp_lazy.runtime.inputs.InputCheck`."""
 PATCHED = "_hp_patched"
 """Class attribute on a training stack's class hp_lazy routed (accelerate's ``Accelerator``)."""
+LEAF = "_hp_leaf"
+"""Module ``__dict__`` key: the leaf binding of a torch module hp_lazy runs (kept when PEFT wraps it)."""
+WATCH = "_hp_watch"
+"""Module ``__dict__`` key on every module of a bound model: set dirty when a submodule is replaced."""
+ADAPTER_HOOKS = "_hp_adapter_hooks"
+"""PEFT tuner layer ``__dict__`` key: the handles of its full-adapter state-dict hooks."""
+LAZY_HOOK = "_initialize_hook"
+"""Lowered root classes: torch's lazy-module attribute (``torch.compile`` binds before tracing)."""
+LAZY_INIT = "_infer_parameters"
+"""Lowered root classes: torch's lazy-module initialiser, here ``parallelize``."""
 
 LAID_OUT = "_hp_laid_out"
 """Model ``__dict__`` key: laid out and bound before its weights were read (shard-on-read), waiting
@@ -53,5 +64,6 @@ OPTIM_ADOPTED = "_hp_adopted"
 
 GENERATED: frozenset[str] = frozenset({RT, INFO, BINDING, FORM, OUT, CALL})
 ATTACHED: frozenset[str] = frozenset(
-    {BOUND, LAYOUT_ATTR, GRADS_ATTR, LEAF_INPUTS, VOCAB_RANGE, INPUT_CHECK, CP_ENTRY, PATCHED, OPTIM_ADOPTED, LAID_OUT}
+    {BOUND, LAYOUT_ATTR, GRADS_ATTR, LEAF_INPUTS, VOCAB_RANGE, INPUT_CHECK, CP_ENTRY, PATCHED, OPTIM_ADOPTED, LAID_OUT,
+     LEAF, WATCH, ADAPTER_HOOKS, LAZY_HOOK, LAZY_INIT}
 )

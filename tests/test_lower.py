@@ -16,7 +16,7 @@ import pytest
 from hp_lazy.errors import LoweringError, PlanError
 from hp_lazy.lower import lower, lower_source
 from hp_lazy.lower.facts import forward_facts, module_facts
-from hp_lazy.plan.model import Contract, InnerOp, ModulePlan, Region
+from hp_lazy.plan.model import Contract, ModulePlan, Region
 from hp_lazy.plan.placement import Placement
 
 P = Placement.parse
@@ -146,9 +146,9 @@ def test_boundary_decisions_match_what_lower_emits() -> None:
     assert {p: (c, d.form) for p, (c, d) in got.items()} == {"b": ("Block", "tp_collective"), "s": ("Sub", "generic")}
 
 
-def test_unimplemented_inner_op_is_refused_not_ignored() -> None:
-    contract = attn_contract("b", inner=InnerOp(call="attention", kind="cp_ulysses"))
-    with pytest.raises(PlanError, match=r"^b\.inner: kind 'cp_ulysses' \(context parallel\) is not implemented yet"):
+def test_unimplemented_region_is_refused_not_ignored() -> None:
+    contract = attn_contract("b", region=Region(kind="ep_dispatch"))
+    with pytest.raises(PlanError, match=r"^b\.region: kind 'ep_dispatch' \(expert parallel\) is not implemented yet"):
         lower(SIMPLE, plan({"b": "Block"}, (contract,)))
 
 
@@ -214,6 +214,9 @@ class FakeRuntime(types.ModuleType):
     def add_deferred_bias(self, x, b):
         self.calls.append(f"add_deferred_bias({x})")
         return f"b({x})"
+
+    def lazy_root(self, cls) -> None:  # the lazy-module protocol: run-time only, not under test here
+        return None
 
     def ensure_parallel(self, module):
         self.calls.append(f"ensure_parallel({type(module).__name__})")

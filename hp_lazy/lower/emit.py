@@ -180,6 +180,10 @@ def install_root(class_name: str, ref: ast.AST) -> ast.stmt:
     return relocate(parse_stmts(f"{RT}.install_root({class_name})"), ref)[0]
 
 
+def lazy_root(class_name: str, ref: ast.AST) -> ast.stmt:
+    return relocate(parse_stmts(f"{RT}.lazy_root({class_name})"), ref)[0]
+
+
 def class_attributes(form: str, qualname: str, ref: ast.AST) -> list[ast.stmt]:
     text = f"_hp_form = {form!r}\n_hp_b = {RT}.unbound({qualname!r})"
     return relocate(parse_stmts(text), ref)

@@ -2,8 +2,9 @@
 
 Per lowered class (docs/contract.md): the original ``forward`` becomes ``_forward_impl`` in place
 (same lines, no decorators), a new ``forward`` with the same signature and the decorators follows
-it, and the class gets ``_hp_form`` and ``_hp_b``. Roots get ``ensure_parallel`` (or
-``install_root`` after the class when their forward is inherited). Nothing else moves.
+it, and the class gets ``_hp_form`` and ``_hp_b``. Roots get ``ensure_parallel`` in
+their forward and ``lazy_root`` after the class (``install_root`` when their forward is inherited,
+which does both). Nothing else moves.
 
 The source is parsed once per text (:func:`hp_lazy.plan.source.parse_source`, shared with the
 plan slice); the rewrite copies the class and function nodes it changes and shares the rest, so
@@ -71,8 +72,12 @@ def lower(source: str, module_plan: ModulePlan, filename: str = "<unknown>") -> 
             out.body[cls.index] = _with_prologue(node, fn)
             if dict(module_plan.mesh).get("cp", 1) > 1:  # the cp entry splits the batch around the forward
                 after.append((cls.index, emit.install_root(cls.name, node)))
+                continue
         elif cls.name in module_plan.roots:
             after.append((cls.index, emit.install_root(cls.name, node)))
+            continue
+        if cls.name in module_plan.roots:  # torch.compile(model) binds it before tracing
+            after.append((cls.index, emit.lazy_root(cls.name, node)))
     for index, stmt in sorted(after, key=lambda p: -p[0]):
         out.body.insert(index + 1, stmt)
     _insert_import(out, mod)

@@ -8,24 +8,30 @@ ops, sets ``module._hp_b`` on lowered instances or installs a leaf forward on to
 lets the styles set their gradient and loss policy. Then one :class:`~hp_lazy.runtime.grads.GradOwner`
 takes every parameter of ``model``. Lowered root classes call it from their forward, so after
 ``activate`` a model runs in parallel with no further call.
+
+A bound model is watched: replacing one of its submodules (PEFT wrapping a planned Linear,
+``merge_and_unload`` putting it back, transformers replacing a resized head) marks it dirty, and
+:func:`refresh` binds what changed before the next forward (or at ``parallelize``).
 """
 
 from __future__ import annotations
 
 import re
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
 from torch import nn
+from torch.nn.modules.module import register_module_module_registration_hook
 
 from hp_lazy.errors import ShardingError
-from hp_lazy.names import BINDING, BOUND, FORM, GRADS_ATTR, LAID_OUT, LAYOUT_ATTR
+from hp_lazy.names import BINDING, BOUND, FORM, GRADS_ATTR, LAID_OUT, LAYOUT_ATTR, WATCH
 from hp_lazy.plan.fqn import compile_glob
 from hp_lazy.plan.model import Contract, ModulePlan
 from hp_lazy.plan.placement import Partial, Shard
-from hp_lazy.runtime import clip, inputs, leaves, options, registry
+from hp_lazy.runtime import adapters, clip, inputs, leaves, options, registry
 from hp_lazy.runtime.binding import Binding, compile_ops
 from hp_lazy.runtime.cp.style import ContextParallelStyle
 from hp_lazy.runtime.grads import GradOwner, rules_for
@@ -41,7 +47,7 @@ from hp_lazy.runtime.style import (
 )
 from hp_lazy.runtime.tp.style import TensorParallelStyle
 
-__all__ = ["STYLES", "parallelize"]
+__all__ = ["STYLES", "parallelize", "refresh"]
 
 STYLES: dict[str, type] = {"tp": TensorParallelStyle, "cp": ContextParallelStyle}
 """Mesh axis -> its parallelism's style (a new parallelism adds its room and one entry here)."""
@@ -57,6 +63,16 @@ def parallelize(model: nn.Module, *, data_parallel: bool | None = None) -> nn.Mo
     (:func:`bind_layout`); this call only gives it its gradient owner and state-dict face.
     """
     if model.__dict__.get(BOUND):
+        watch = model.__dict__.get(WATCH)
+        if watch is not None and watch.dirty:
+            refresh(model)
+        return model
+    tops = [m for _, m in model.named_modules() if GRADS_ATTR in m.__dict__]
+    owned = {id(p) for top in tops for p in top.parameters()}
+    wrapper = registry.lowered_for(type(model)) is None and all(id(p) in owned for p in model.parameters())
+    if tops and wrapper:  # a plain wrapper (PEFT's PeftModel) of bound models, all its parameters theirs
+        for top in tops:
+            parallelize(top)  # re-binds what changed since
         return model
     _refuse_bound_inside(model)
     laid_out = model.__dict__.pop(LAID_OUT, None)
@@ -82,6 +98,7 @@ def parallelize(model: nn.Module, *, data_parallel: bool | None = None) -> nn.Mo
         if registry.lowered_for(type(module)) is not None:
             module.__dict__[BOUND] = True
     model.__dict__[BOUND] = True
+    _watch(model)
     return model
 
 
@@ -143,6 +160,69 @@ def _refuse_bound_inside(model: nn.Module) -> None:
             "hp_lazy.parallelize call, so its parameters already have a gradient owner; call parallelize "
             "once, on the top-level model (the one whose forward you call)"
         )
+
+
+class Watch:
+    """Shared by every module of one bound model: ``dirty`` once a submodule is replaced (PEFT
+    wrapping a planned Linear, or ``merge_and_unload`` putting it back)."""
+
+    __slots__ = ("dirty", "top")
+
+    def __init__(self, top: nn.Module) -> None:
+        self.dirty = False
+        self.top = weakref.ref(top)
+
+
+def _watch(model: nn.Module) -> None:
+    global _REGISTRATION_HOOK
+    watch = model.__dict__.get(WATCH) or Watch(model)
+    watch.dirty = False
+    for module in model.modules():
+        module.__dict__[WATCH] = watch
+    if _REGISTRATION_HOOK is None:
+        _REGISTRATION_HOOK = register_module_module_registration_hook(_on_registration)
+
+
+_REGISTRATION_HOOK: object = None
+
+
+def _on_registration(parent: nn.Module, name: str, module: nn.Module | None) -> None:
+    watch = parent.__dict__.get(WATCH)
+    if watch is not None and module is not None:
+        watch.dirty = True
+        for sub in module.modules():
+            sub.__dict__.setdefault(WATCH, watch)
+
+
+def refresh(model: nn.Module) -> None:
+    """Bind what changed under a bound model: a PEFT tuner layer around a planned Linear gets its
+    adapters cut like the base (:mod:`hp_lazy.runtime.adapters`), a bound torch leaf's ops move to
+    the layer that wraps it, every parameter's new name joins the layout table, and the gradient
+    owner is rebuilt for the parameters that are trainable now."""
+    table: LayoutTable = model.__dict__[LAYOUT_ATTR]
+    leaves.move_leaves(model)
+    by_param: dict[int, ParamLayout] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        layout = table.get(name) or table.get(adapters.plain(name))
+        if layout is not None:
+            table.alias(name, layout)
+            by_param[id(param)] = layout
+    bound = [(n, m, b.contract) for n, m in model.named_modules() if isinstance(b := m.__dict__.get(BINDING), Binding)]
+    for fqn, module, _ in bound:
+        adapters.lay_out(fqn, module, table, by_param, table.groups)
+    _, _, lowered = next(_outermost_roots(model))
+    mesh = get_mesh(dict(lowered.plan.mesh))
+    ctx = BindContext(root=model, plan=lowered.plan, mesh=mesh, groups=table.groups, table=table, bound=bound)
+    ctx.by_param = by_param
+    for axis, group in table.groups.items():
+        if group.size > 1 and axis in STYLES:
+            STYLES[axis]().gradients(ctx)
+    names = {id(p): n for n, p in model.named_parameters()}
+    partial = {names[pid]: rule for pid, rule in ctx.partial.items() if pid in names}
+    old = model.__dict__[GRADS_ATTR]
+    old.close()
+    _own_gradients(model, mesh, partial, old.data_parallel)
+    _watch(model)
 
 
 def _merge_table(table: LayoutTable | None, ctx: BindContext, prefix: str) -> LayoutTable:
@@ -235,7 +315,7 @@ def _is_planned_class(module: nn.Module, plan: ModulePlan, contract: Contract) -
     if not wanted:
         return True
     short = wanted.rpartition(".")[2]
-    return any(k.__name__ == short for k in type(module).__mro__)
+    return any(k.__name__ == short for k in type(adapters.base_of(module)).__mro__)
 
 
 def _match(root: nn.Module, lowered: registry.Lowered) -> list[Bound]:
@@ -273,6 +353,7 @@ def _bind_boundary(
         style.validate(fqn, module, contract, ctx)
     replicas = {style.axis: style.replicas(fqn, module, contract, ctx) for style in styles}
     _partition(fqn, module, contract, ctx, replicas)
+    adapters.lay_out(fqn, module, ctx.table, ctx.by_param, ctx.groups)
     for style in styles:
         style.after_partition(fqn, module, contract, ctx, replicas[style.axis])
     binding = Binding(
@@ -306,7 +387,7 @@ def _partition(
             )
         for pname, param in params:
             full = f"{fqn}.{pname}" if fqn else pname
-            held = {axis: r[pname] for axis, r in replicas.items() if pname in r}
+            held = {axis: r[key] for axis, r in replicas.items() if (key := pname if pname in r else name) in r}
             earlier = ctx.by_param.get(id(param))
             shape = earlier.full_shape if earlier is not None else tuple(param.shape)
             layout = plan_layout(full, shape, placements, ctx.groups, replicas=held)
@@ -334,8 +415,9 @@ def _defer_biases(fqn: str, module: nn.Module, contract: Contract) -> tuple[tupl
                 f"{fqn}: the plan defers bias {name!r} but the module has none; fix deferred_bias_params, or "
                 "list the name in optional_params if the model may not have it"
             )
-        owner_name, _, leaf = name.rpartition(".")
-        owner = module.get_submodule(owner_name) if owner_name else module
+        found = adapters.resolve(module, name)
+        assert found is not None  # get_param found it
+        owner, leaf = found
         leaves.suppress_bias(owner)
         biases.append((owner, leaf))
     return tuple(biases)
@@ -367,6 +449,7 @@ def _alias_tied(ctx: BindContext) -> None:
         layout = ctx.by_param.get(id(param))
         if layout is not None:
             ctx.table.alias(name, layout)
+            ctx.table.alias(adapters.plain(name), layout)  # its name once PEFT's merge_and_unload unwraps it
 
 
 def _check_shards_covered(ctx: BindContext) -> None:

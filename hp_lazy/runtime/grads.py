@@ -189,10 +189,11 @@ class BucketReducer:
         self.sync = True
         self._armed = False
         self._next = 0
+        self.handles: list[Any] = []
         for bucket in self.buckets:
             for entry in bucket.entries:
-                entry.param.register_hook(self._pre(entry))
-                entry.param.register_post_accumulate_grad_hook(self._post(entry, bucket))
+                self.handles.append(entry.param.register_hook(self._pre(entry)))
+                self.handles.append(entry.param.register_post_accumulate_grad_hook(self._post(entry, bucket)))
 
     def _pre(self, entry: _Entry) -> Callable[[torch.Tensor], torch.Tensor]:
         def hook(grad: torch.Tensor) -> torch.Tensor:
@@ -270,12 +271,13 @@ class EagerSums:
     def __init__(self, root: nn.Module, entries: list[_Entry], groups: Callable[[tuple[str, ...]], Group]) -> None:
         self.sync = True  # DDP's or FSDP2's no_sync governs dp; partial sums always run
         self._hooked: dict[int, weakref.ref[torch.Tensor]] = {}  # id -> the tensor (ids are reused)
+        self.handles: list[Any] = []
         for entry in entries:
             group = groups(entry.rule.axes)
             owner_name, _, leaf = entry.fqn.rpartition(".")
             owner = root.get_submodule(owner_name)
             self._attach(owner._parameters[leaf], entry.rule, group)
-            owner.register_forward_pre_hook(self._reattach(leaf, entry.rule, group))
+            self.handles.append(owner.register_forward_pre_hook(self._reattach(leaf, entry.rule, group)))
 
     def _attach(self, tensor: torch.Tensor | None, rule: GradRule, group: Group) -> None:
         if tensor is None or not tensor.requires_grad:
@@ -284,7 +286,7 @@ class EagerSums:
         if seen is not None and seen() is tensor:
             return
         self._hooked[id(tensor)] = weakref.ref(tensor)
-        tensor.register_hook(lambda grad: _summed(grad, rule, group))
+        self.handles.append(tensor.register_hook(lambda grad: _summed(grad, rule, group)))
 
     def _reattach(self, leaf: str, rule: GradRule, group: Group) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any) -> None:
@@ -345,6 +347,12 @@ class GradOwner:
 
     def describe(self) -> str:
         return "\n".join(f"{fqn}: {rule.describe()}" for fqn, rule in self.rules.items())
+
+    def close(self) -> None:
+        """Remove every hook (the model changed and gets a new owner)."""
+        for handle in self.reducer.handles:
+            handle.remove()
+        self.reducer.handles.clear()
 
     def unreduced(self) -> list[str]:
         """FQNs whose gradient holds contributions not reduced yet (``no_sync`` accumulation)."""

@@ -186,6 +186,10 @@ class LayoutTable:
     def alias(self, fqn: str, layout: ParamLayout) -> None:
         self._by_fqn.setdefault(fqn, replace(layout, fqn=fqn))
 
+    def replace(self, layout: ParamLayout) -> None:
+        """A parameter's new layout (its full shape changed: ``resize_token_embeddings``)."""
+        self._by_fqn[layout.fqn] = layout
+
 
 def shard_in_place(param: nn.Parameter, layout: ParamLayout) -> None:
     """Replace ``param.data`` by this rank's shard (the same Parameter object stays)."""

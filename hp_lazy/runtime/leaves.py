@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hp_lazy.names import BINDING, LEAF_INPUTS
+from hp_lazy.names import BINDING, LEAF, LEAF_INPUTS
+from hp_lazy.runtime.adapters import base_of, is_tuner
 from hp_lazy.runtime.binding import Binding, CallContext
 
 if TYPE_CHECKING:  # the mixins only ever sit in front of these classes
@@ -34,10 +35,35 @@ else:
 
 
 def wrap_forward(module: nn.Module, binding: Binding) -> None:
-    """Entry ops on the declared inputs -> the class's own forward -> exit ops."""
+    """Entry ops on the declared inputs -> the class's own forward -> exit ops. The binding is
+    also kept (``LEAF``) on the module PEFT would wrap, so it can move to a tuner layer and back."""
     setattr(module, BINDING, binding)
     setattr(module, LEAF_INPUTS, _input_positions(type(module), binding))
     module.__class__ = subclass(type(module), _LeafForward)
+    base_of(module).__dict__[LEAF] = binding
+
+
+def unwrap_forward(module: nn.Module) -> None:
+    """Undo :func:`wrap_forward` (the leaf's ops move to the PEFT layer that now wraps it, or back)."""
+    cls = type(module)
+    if issubclass(cls, _LeafForward):
+        module.__class__ = cls.__mro__[2]  # (made subclass, mixin, original)
+        module.__dict__.pop(BINDING, None)
+
+
+def move_leaves(model: nn.Module) -> None:
+    """After PEFT wrapped (or unwrapped) a bound torch leaf: its entry/exit ops run around the
+    outermost module that now stands for it (a LoRA layer adds its adapter inside the boundary)."""
+    holder = {id(base_of(m)): m for m in model.modules() if is_tuner(m)}
+    for module in list(model.modules()):
+        binding = module.__dict__.get(LEAF)
+        if binding is None:
+            continue
+        outer = holder.get(id(module), module)
+        if outer is not module:
+            unwrap_forward(module)
+        if not isinstance(outer, _LeafForward):
+            wrap_forward(outer, binding)
 
 
 class _LeafForward(_Module):

@@ -6,6 +6,7 @@ names only, and the loader puts this module into each lowered module as ``__hp_r
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Mapping
 from typing import Any, NoReturn
@@ -14,7 +15,7 @@ import torch
 from torch import nn
 
 from hp_lazy.errors import ShardingError
-from hp_lazy.names import BOUND, CP_ENTRY, GRADS_ATTR, INPUT_CHECK
+from hp_lazy.names import BOUND, CP_ENTRY, GRADS_ATTR, INPUT_CHECK, LAZY_HOOK, LAZY_INIT, WATCH
 from hp_lazy.runtime.binding import Binding, CallContext, add_deferred_bias
 from hp_lazy.runtime.comm import (
     all_to_all,
@@ -38,6 +39,7 @@ __all__ = [
     "gather_from",
     "gather_to",
     "install_root",
+    "lazy_root",
     "reduce_from",
     "reduce_scatter_to",
     "scatter_to",
@@ -79,6 +81,11 @@ def ensure_parallel(module: nn.Module, inputs: Mapping[str, Any] | None = None) 
         from hp_lazy.runtime.bind import parallelize
 
         parallelize(module)
+    watch = module.__dict__.get(WATCH)
+    if watch is not None and watch.dirty:  # PEFT wrapped (or unwrapped) a planned Linear since binding
+        from hp_lazy.runtime.bind import refresh
+
+        refresh(watch.top())
     owner = module.__dict__.get(GRADS_ATTR)
     if owner is not None:
         owner.check(module)
@@ -91,9 +98,9 @@ def ensure_parallel(module: nn.Module, inputs: Mapping[str, Any] | None = None) 
 def install_root(cls: type[nn.Module]) -> None:
     """Wrap a root class's ``forward`` (inherited, or under context parallel its own, whose
     prologue then finds the model bound): bind, check inputs, and let the bound root's context
-    parallel entry split the batch. The signature is kept (``functools.wraps``)."""
-    import functools
-
+    parallel entry split the batch. The signature is kept (``functools.wraps``). Also
+    :func:`lazy_root`."""
+    lazy_root(cls)
     inner = cls.forward
 
     @functools.wraps(inner)
@@ -105,6 +112,52 @@ def install_root(cls: type[nn.Module]) -> None:
         return entry(inner, self, args, kwargs)
 
     cls.forward = forward
+
+
+class _LazyHook:
+    """``_initialize_hook`` of a lowered root: present (truthy) while the instance is unbound or
+    changed since binding (PEFT wrapped a planned Linear), absent otherwise."""
+
+    def __get__(self, module: nn.Module | None, owner: type) -> Any:
+        if module is not None:
+            watch = module.__dict__.get(WATCH)
+            if BOUND not in module.__dict__ or (watch is not None and watch.dirty):
+                return True
+        raise AttributeError(LAZY_HOOK)
+
+
+def _bind_now(module: nn.Module, *args: Any) -> None:
+    """Bind ``module`` outside any traced region (no-op when bound)."""
+    ensure_parallel(module)
+
+
+def lazy_root(cls: type[nn.Module]) -> None:
+    """Bind a root before ``torch.compile`` traces it: torch's lazy-module protocol
+    (``_initialize_hook`` / ``_infer_parameters``, which ``torch.compile(model)`` and dynamo call
+    outside the graph), and ``model.compile()`` binds first. The traced forward then only reads
+    two dicts (``ensure_parallel``'s fast path): one graph, no break. ``resize_token_embeddings``
+    on a bound model re-cuts a vocab-sharded embedding and head at the new size
+    (:mod:`hp_lazy.runtime.tp.resize`)."""
+    if LAZY_INIT in cls.__dict__:
+        return
+    setattr(cls, LAZY_HOOK, _LazyHook())
+    setattr(cls, LAZY_INIT, _bind_now)
+    compile_module = cls.compile
+
+    def compile(self: nn.Module, *args: Any, **kwargs: Any) -> None:  # noqa: A001 - nn.Module's name
+        ensure_parallel(self)
+        compile_module(self, *args, **kwargs)
+
+    cls.compile = compile  # type: ignore[method-assign]
+    resize = getattr(cls, "resize_token_embeddings", None)
+    if resize is not None:
+
+        def resize_token_embeddings(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            from hp_lazy.runtime.tp.resize import resize_sharded
+
+            return resize_sharded(self, resize, args, kwargs)
+
+        cls.resize_token_embeddings = functools.wraps(resize)(resize_token_embeddings)  # type: ignore[attr-defined]
 
 
 def begin(binding: Binding) -> CallContext:

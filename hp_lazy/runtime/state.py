@@ -31,8 +31,8 @@ def _full(tensor: torch.Tensor, layout: ParamLayout | None, table: LayoutTable |
     tensor = tensor.detach()
     if hasattr(tensor, "full_tensor"):  # an FSDP2 DTensor: gather over its own (dp) mesh first
         tensor = tensor.full_tensor()
-    if layout is None or table is None:
-        return tensor.clone()
+    if layout is None or table is None or tuple(tensor.shape) == layout.full_shape != layout.local_shape:
+        return tensor.clone()  # not sharded, or a LoRA adapter, whose state_dict entry is already full
     return layout.gather(tensor, table.groups)
 
 

@@ -20,6 +20,7 @@ from torch import nn
 
 from hp_lazy.plan.fqn import compile_glob, is_glob
 from hp_lazy.plan.model import Contract, ModulePlan
+from hp_lazy.runtime import adapters
 from hp_lazy.runtime.layout import LayoutTable, ParamLayout
 from hp_lazy.runtime.mesh import Group, Mesh
 
@@ -81,18 +82,17 @@ class ParallelStyle(Protocol):
 
 
 def params_matching(module: nn.Module, name: str) -> list[tuple[str, nn.Parameter]]:
-    """``(name, parameter)`` under ``module`` for a dotted name or an FQN glob."""
+    """``(name, parameter)`` under ``module`` for a dotted name or an FQN glob, by the name
+    ``named_parameters`` gives it (through PEFT tuner layers: ``q_proj.weight`` is found as
+    ``q_proj.base_layer.weight``; adapters never match a plan's names)."""
     if not is_glob(name):
         param = get_param(module, name)
-        return [] if param is None else [(name, param)]
+        return [] if param is None else [(adapters.real_name(module, name), param)]
     regex = compile_glob(name)
-    return [(n, p) for n, p in module.named_parameters() if regex.match(n)]
+    extra = adapters.adapter_ids(module)
+    return [(n, p) for n, p in module.named_parameters() if regex.match(adapters.plain(n)) and id(p) not in extra]
 
 
 def get_param(module: nn.Module, name: str) -> nn.Parameter | None:
-    owner_name, _, leaf = name.rpartition(".")
-    try:
-        owner = module.get_submodule(owner_name) if owner_name else module
-    except AttributeError:
-        return None
-    return owner._parameters.get(leaf)
+    found = adapters.resolve(module, name)
+    return None if found is None else found[0]._parameters.get(found[1])

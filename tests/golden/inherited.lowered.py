@@ -89,3 +89,4 @@ class Top:
         """Run the model."""
         __hp_rt__.ensure_parallel(self)
         return input_ids
+__hp_rt__.lazy_root(Top)

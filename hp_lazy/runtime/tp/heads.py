@@ -16,7 +16,9 @@ from torch import nn
 from hp_lazy.errors import ShardingError
 from hp_lazy.plan.model import Contract
 from hp_lazy.plan.placement import Shard
+from hp_lazy.runtime.adapters import adapter_ids, plain
 from hp_lazy.runtime.mesh import Group
+from hp_lazy.runtime.style import get_param
 
 _HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_heads")
 _KV_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads")
@@ -71,7 +73,7 @@ def kv_replicas(fqn: str, module: nn.Module, contract: Contract, groups: Mapping
         )
     replicas: dict[str, int] = {}
     for name in _tp_sharded_rows(contract):
-        param = _param(module, name)
+        param = get_param(module, name)
         if param is not None and param.shape[0] == kv * head_dim:
             replicas[name] = tp // kv  # its gradient is summed over the replicas (tp style -> gradient owner)
     return replicas
@@ -90,21 +92,16 @@ def check_projections(fqn: str, module: nn.Module, contract: Contract, groups: M
         for name, spec in contract.params.items()
         if (name == "weight" or name.endswith(".weight")) and isinstance(spec.get("tp"), Shard)
     }
+    adapter_layers = adapter_ids(module)
     for name, sub in module.named_modules():
-        if isinstance(sub, nn.Linear) and sub.out_features in (heads * head_dim, kv * head_dim) and name not in planned:
+        if id(sub) in adapter_layers or plain(name) in planned:
+            continue  # a LoRA adapter's Linear follows its base; a base PEFT wrapped is planned by its plain name
+        if isinstance(sub, nn.Linear) and sub.out_features in (heads * head_dim, kv * head_dim):
             raise ShardingError(
                 f"{fqn}.{name}: projects to {sub.out_features} features ({heads} heads or {kv} kv heads of "
                 f"{head_dim}) but the plan does not shard it, while the plan shards the other head projections "
                 f"on tp={group.size}; add {name}.weight with S(0) on tp to the plan's params"
             )
-
-
-def _param(module: nn.Module, name: str) -> nn.Parameter | None:
-    owner, _, leaf = name.rpartition(".")
-    try:
-        return (module.get_submodule(owner) if owner else module)._parameters.get(leaf)
-    except AttributeError:
-        return None
 
 
 def fit_attention_heads(

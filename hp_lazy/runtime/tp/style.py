@@ -18,6 +18,7 @@ from torch import nn
 from hp_lazy.errors import ShardingError
 from hp_lazy.plan.model import Contract
 from hp_lazy.plan.placement import Shard
+from hp_lazy.runtime.adapters import base_of
 from hp_lazy.runtime.binding import Binding
 from hp_lazy.runtime.layout import plan_layout, shard_in_place
 from hp_lazy.runtime.sp.stack import scatters_output, sequence_sharded_params
@@ -93,7 +94,8 @@ class TensorParallelStyle:
         """A head Linear that keeps its logits vocab-sharded (``output: S(-1)`` after the boundary)
         needs a loss that works on the shards: the root's ``loss_function`` becomes vocab-parallel."""
         group = ctx.groups["tp"]
-        for fqn, module, contract in ctx.bound:
+        for fqn, bound, contract in ctx.bound:
+            module = base_of(bound)  # a head PEFT wrapped
             out = contract.out_dst.get("output", {}).get("tp")
             if not isinstance(module, nn.Linear) or not isinstance(out, Shard):
                 continue
@@ -140,6 +142,7 @@ def _refuse_feature_statistics(fqn: str, module: nn.Module, sharded: bool) -> No
 def _shard_row_vectors(fqn: str, module: nn.Module, ctx: BindContext) -> None:
     """A colwise ``nn.Linear`` subclass may scale its outputs with its own per-output parameter
     (a vocab-sized ``logit_scale``): shard every such 1-D parameter like the weight's rows."""
+    module = base_of(module)
     weight = module._parameters.get("weight") if isinstance(module, nn.Linear) else None
     layout = ctx.by_param.get(id(weight)) if weight is not None else None
     cut = layout.on("tp") if layout is not None else None

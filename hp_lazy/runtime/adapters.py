@@ -1,0 +1,263 @@
+"""PEFT LoRA adapters on planned Linears: the adapter's layout follows its base's cut.
+
+PEFT wraps a targeted ``nn.Linear`` in a tuner layer (``q_proj`` becomes ``q_proj.base_layer``
+plus ``q_proj.lora_A.<adapter>`` and ``q_proj.lora_B.<adapter>``) and sizes the adapters from the
+base's ``in_features`` / ``out_features``. hp_lazy leaves those attributes **global** (the full
+module's sizes, as in the checkpoint), so the adapters PEFT makes are the one-process adapters
+(same shapes, same random init), whether PEFT runs before or after ``parallelize``; hp_lazy then
+cuts them like their base (``y = base(x) + B(A(x)) * s``)::
+
+    base weight [out, in]   colwise S(0) (also SS(0,k), K/V kept on m ranks)   rowwise S(1)
+    lora_A      [r, in]     R, gradient summed over tp                         S(1), the base's cut
+    lora_B      [out, r]    the base's dim-0 cut (same blocks, same replicas)  R, gradient summed over tp
+
+A rowwise adapter's output is a partial sum like its base's: the boundary's one reduction sums
+both, and the base's deferred bias is still added once after it. The gradient rules come from
+the tensor-parallel style unchanged (an unsharded parameter inside a boundary with sharded
+parameters holds a partial gradient). Fresh adapters are broadcast from global rank 0 before
+they are cut (as DDP does at construction), so ranks seeded differently still agree.
+
+``state_dict()`` of a tuner layer holds its adapters **full** (gathered over the cut axes, a
+collective: call it on every rank, e.g. ``peft_model.save_pretrained(d, is_main_process=rank == 0)``),
+and the base weight too for a targeted head PEFT saves with the adapter (``lm_head``);
+``load_state_dict`` takes them full, so PEFT's own save and load see the one-process adapter.
+Other base weights stay local in ``state_dict()`` (``hp_lazy.full_state_dict`` gathers them and
+takes full entries as they are).
+
+When PEFT runs after binding, the model is re-bound before its next forward (``bind.refresh``; a
+replaced submodule marks the model dirty), outside any ``torch.compile`` trace (the root's
+lazy-module hook). ``lora_dropout`` on a rowwise base draws one process's mask for the full
+input and keeps this rank's columns (on a colwise base the input is replicated: torch's own
+dropout draws one process's mask already, given ranks seeded alike). Refused with the fix: DoRA
+and other LoRA variants, ``lora_bias`` on a rowwise base, adapters on a vocab-parallel embedding
+or on any tuner layer that is not a LoRA ``Linear``.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hp_lazy.errors import ShardingError
+from hp_lazy.names import ADAPTER_HOOKS
+from hp_lazy.runtime.layout import AxisShard, LayoutTable, ParamLayout, shard_in_place
+from hp_lazy.runtime.mesh import Group
+
+BASE = "base_layer"
+"""The attribute a PEFT tuner layer keeps its wrapped module under (a segment of parameter names)."""
+
+
+def is_tuner(module: nn.Module) -> bool:
+    """A PEFT tuner layer (peft is only looked at when it was imported)."""
+    peft = sys.modules.get("peft.tuners.tuners_utils")
+    return peft is not None and isinstance(module, peft.BaseTunerLayer)
+
+
+def base_of(module: nn.Module) -> nn.Module:
+    """The module a PEFT tuner layer wraps (through nested wrappers); ``module`` otherwise."""
+    while is_tuner(module) and isinstance(getattr(module, BASE, None), nn.Module):
+        module = getattr(module, BASE)
+    return module
+
+
+def resolve(module: nn.Module, dotted: str) -> tuple[nn.Module, str] | None:
+    """``(owner, leaf)`` of the parameter a plan names ``dotted`` under ``module``, looking
+    through tuner layers (``q_proj.weight`` is ``q_proj.base_layer.weight`` under LoRA)."""
+    owner_name, _, leaf = dotted.rpartition(".")
+    owner = base_of(module)
+    for part in owner_name.split(".") if owner_name else ():
+        child = owner._modules.get(part)
+        if child is None:
+            return None
+        owner = base_of(child)
+    return owner, leaf
+
+
+def real_name(module: nn.Module, dotted: str) -> str:
+    """The ``named_parameters`` name of what the plan calls ``dotted`` (``base_layer`` inserted)."""
+    parts, owner, out = dotted.split("."), module, []
+    for part in parts[:-1]:
+        while is_tuner(owner) and isinstance(getattr(owner, BASE, None), nn.Module):
+            out.append(BASE)
+            owner = getattr(owner, BASE)
+        out.append(part)
+        child = owner._modules[part]
+        assert child is not None
+        owner = child
+    while is_tuner(owner) and isinstance(getattr(owner, BASE, None), nn.Module):
+        out.append(BASE)
+        owner = getattr(owner, BASE)
+    return ".".join([*out, parts[-1]])
+
+
+def plain(name: str) -> str:
+    """A parameter name without PEFT's ``base_layer`` segments (its name before PEFT wrapped it)."""
+    return ".".join(part for part in name.split(".") if part != BASE)
+
+
+def tuners(module: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """The outermost tuner layers at or under ``module``, by their name relative to it."""
+    inside: list[str] = []
+    for name, sub in module.named_modules():
+        if is_tuner(sub) and not any(name.startswith(t + ".") for t in inside):
+            inside.append(name)
+            yield name, sub
+
+
+def adapter_ids(module: nn.Module) -> set[int]:
+    """ids of the adapters' parameters and modules under ``module`` (everything a tuner layer
+    holds besides its base): a plan's names never mean them."""
+    found: set[int] = set()
+    for _, tuner in tuners(module):
+        found |= {id(p) for n, p in tuner.named_parameters() if not n.startswith(BASE + ".")}
+        found |= {id(m) for n, m in tuner.named_modules() if n and n != BASE and not n.startswith(BASE + ".")}
+    return found
+
+
+def lay_out(
+    fqn: str, module: nn.Module, table: LayoutTable, by_param: dict[int, ParamLayout], groups: Mapping[str, Group]
+) -> None:
+    """Cut the adapters of every tuner layer at or under boundary ``module`` like their base's
+    weight, record their layouts (by name and by parameter) and give the layer its state-dict hooks."""
+    for name, tuner in tuners(module):
+        where = f"{fqn}.{name}" if fqn and name else fqn or name
+        base = base_of(tuner)
+        weight = base._parameters.get("weight")
+        layout = by_param.get(id(weight)) if weight is not None else None
+        if layout is None or not layout.shards:
+            continue  # a replicated base: its adapters stay replicated (the style sums their gradients)
+        cuts = _refuse_unsupported(where, tuner, base, layout)
+        made: dict[str, ParamLayout] = {}
+        if where.rpartition(".")[2] in _saved_bases():  # PEFT saves a targeted head's base weight too
+            made[f"{BASE}.weight"] = layout
+        for pname, param in tuner.named_parameters():
+            if pname.startswith(BASE + "."):
+                continue
+            shards = _adapter_cut(pname, cuts)
+            full = by_param.get(id(param))
+            if full is None:
+                fresh = _broadcast(param) if tuple(param.shape) else param
+                full = ParamLayout(fqn=f"{where}.{pname}", full_shape=tuple(fresh.shape), shards=shards)
+            made[pname] = full
+            if full.shards:
+                shard_in_place(param, full)
+                table.add(full)
+            by_param[id(param)] = full
+        _hook_state_dict(tuner, made, groups)
+        _full_dropout_masks(tuner, tuple(c for c in cuts if c.dim == 1))
+
+
+def _saved_bases() -> tuple[str, ...]:
+    """Module names whose base weight PEFT's ``save_pretrained`` stores with the adapter when they
+    are targeted (``save_embedding_layers="auto"``): ``embed_tokens``, ``lm_head``, ..."""
+    constants = sys.modules.get("peft.utils.constants")
+    return tuple(getattr(constants, "EMBEDDING_LAYER_NAMES", ())) if constants is not None else ()
+
+
+def _adapter_cut(pname: str, cuts: tuple[AxisShard, ...]) -> tuple[AxisShard, ...]:
+    """lora_B (weight, bias) takes the base's dim-0 cuts; lora_A's weight its dim-1 cuts."""
+    if ".lora_B." in f".{pname}" or pname.startswith("lora_B."):
+        return tuple(c for c in cuts if c.dim == 0)
+    if (".lora_A." in f".{pname}" or pname.startswith("lora_A.")) and pname.endswith("weight"):
+        return tuple(c for c in cuts if c.dim == 1)
+    return ()
+
+
+def _refuse_unsupported(where: str, tuner: nn.Module, base: nn.Module, layout: ParamLayout) -> tuple[AxisShard, ...]:
+    lora = sys.modules.get("peft.tuners.lora.layer")
+    if lora is None or not isinstance(tuner, lora.Linear) or not isinstance(base, nn.Linear):
+        raise ShardingError(
+            f"{where}: PEFT wraps this sharded {type(base).__name__} ({layout.describe()}) in "
+            f"{type(tuner).__module__}.{type(tuner).__qualname__}; hp_lazy cuts only LoRA adapters of nn.Linear "
+            f"bases; leave {where.rpartition('.')[2]} out of target_modules (or out of the plan)"
+        )
+    variants = dict(getattr(tuner, "lora_variant", {}) or {})
+    if variants or any(getattr(tuner, "use_dora", {}).values()):
+        raise ShardingError(
+            f"{where}: LoRA variant {sorted({type(v).__name__ for v in variants.values()}) or ['DoRA']} (adapters "
+            f"{sorted(variants)}) on a base sharded {layout.describe()} is not supported (DoRA normalises over the "
+            "whole weight); use plain LoRA (use_dora=False) for this module"
+        )
+    cuts = layout.shards
+    if any(c.dim not in (0, 1) for c in cuts):
+        raise ShardingError(f"{where}: base weight laid out {layout.describe()}; LoRA needs a cut on dim 0 or 1")
+    rowwise = any(c.dim == 1 for c in cuts)
+    if rowwise and any(b.bias is not None for b in tuner.lora_B.values()):
+        raise ShardingError(
+            f"{where}: lora_bias=True on a rowwise base ({layout.describe()}): the adapter's bias would be added on "
+            "every rank before the reduction; use lora_bias=False for this module"
+        )
+    return cuts
+
+
+class _ShardedDropout(nn.Dropout):
+    """Dropout of a feature-sharded input ``[..., in/n]`` (a rowwise base's): draws one process's
+    mask for the full ``[..., in]`` from the same generator and keeps this rank's columns, so the
+    masks (and the random stream after them) equal one process's."""
+
+    _hp_cuts: tuple[AxisShard, ...] = ()
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0.0:
+            return input
+        shape = list(input.shape)
+        for cut in self._hp_cuts:
+            shape[-1] *= cut.pieces
+        noise = torch.empty(shape, dtype=input.dtype, device=input.device).bernoulli_(1.0 - self.p)
+        noise.div_(1.0 - self.p)  # torch's own dropout: the same draws, the same rounding
+        for cut in reversed(self._hp_cuts):
+            noise = noise.chunk(cut.pieces, dim=-1)[cut.piece]
+        return input * noise
+
+
+def _full_dropout_masks(tuner: nn.Module, cuts: tuple[AxisShard, ...]) -> None:
+    """A rowwise adapter's dropout sees this rank's features only: give it one process's mask."""
+    if not cuts:
+        return
+    for dropout in getattr(tuner, "lora_dropout", {}).values():
+        if type(dropout) is nn.Dropout and dropout.p > 0:
+            dropout.__class__ = _ShardedDropout
+            dropout.__dict__["_hp_cuts"] = cuts
+
+
+def _broadcast(param: nn.Parameter) -> torch.Tensor:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        with torch.no_grad():
+            dist.broadcast(param.data, src=0)
+    return param.data
+
+
+def _hook_state_dict(tuner: nn.Module, made: Mapping[str, ParamLayout], groups: Mapping[str, Group]) -> None:
+    sharded = {name: layout for name, layout in made.items() if layout.shards}
+    if not sharded or tuner.__dict__.get(ADAPTER_HOOKS):
+        return
+    tuner.__dict__[ADAPTER_HOOKS] = (
+        tuner.register_state_dict_post_hook(_gathered(sharded, groups)),
+        tuner.register_load_state_dict_pre_hook(_cut(sharded)),
+    )
+
+
+def _gathered(layouts: Mapping[str, ParamLayout], groups: Mapping[str, Group]) -> Any:
+    def hook(module: nn.Module, state: dict[str, torch.Tensor], prefix: str, meta: Any) -> None:
+        for name, layout in layouts.items():
+            key = prefix + name
+            if key in state and tuple(state[key].shape) == layout.local_shape:
+                state[key] = layout.gather(state[key], groups)
+
+    return hook
+
+
+def _cut(layouts: Mapping[str, ParamLayout]) -> Any:
+    def hook(module: nn.Module, state: dict[str, Any], prefix: str, *args: Any) -> None:
+        for name, layout in layouts.items():
+            key = prefix + name
+            value = state.get(key)
+            if isinstance(value, torch.Tensor) and tuple(value.shape) == layout.full_shape != layout.local_shape:
+                state[key] = layout.local(value)
+
+    return hook

@@ -1,0 +1,98 @@
+"""``torch.compile`` of an hp_lazy model before its first forward (``torch.compile(model)`` and
+``model.compile()``) and after ``parallelize``: binding happens outside the traced region, the step
+is one graph with no graph break, and logits, loss, every gradient and three SGD steps equal one
+process's (backend ``eager``: dynamo's capture is what is under test, and it is cheap on CPU)."""
+
+from __future__ import annotations
+
+import models
+import parity
+import pytest
+from dist import DistPool, pool_fixture
+
+pool2 = pool_fixture(2, timeout=180)
+
+
+def _compiled(rank: int, world: int, path: str, ids, how: str) -> dict:
+    import torch
+    from torch._dynamo.utils import counters
+
+    import hp_lazy
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = parity._load(path)
+    if how == "after parallelize":
+        hp_lazy.parallelize(model)
+    if how == "model.compile()":
+        model.compile(backend="eager", fullgraph=True)
+        compiled = model
+    else:
+        compiled = torch.compile(model, backend="eager", fullgraph=True)
+
+    result = _train(compiled, ids)
+    result["graph_breaks"] = sum(counters["graph_break"].values())
+    result["graphs"] = counters["stats"]["unique_graphs"]
+    return result if rank == 0 else {"graph_breaks": result["graph_breaks"]}
+
+
+def _train(compiled, ids) -> dict:
+    import hp_lazy
+
+    def strip(d: dict) -> dict:  # torch.compile(model)'s wrapper names parameters "_orig_mod.<name>"
+        return {k.removeprefix("_orig_mod."): v for k, v in d.items()}
+
+    return models.run_training(
+        compiled, ids,
+        full_grads=lambda m: strip(hp_lazy.full_grads(m)),
+        full_state_dict=lambda m: strip(hp_lazy.full_state_dict(m)),
+    )
+
+
+@pytest.mark.parametrize("how", ["torch.compile before the first forward", "model.compile()", "after parallelize"])
+def test_compile_is_one_graph_and_exact(how: str, refs, pool2: DistPool) -> None:
+    path, ref = refs("llama")
+    results = parity.activated(pool2, sequence_parallel=False).run(_compiled, path, models.batch(), how)
+    assert [r["graph_breaks"] for r in results] == [0, 0]
+    assert results[0]["graphs"] == 1  # fullgraph=True: the whole step, collectives inside, one graph
+    errors = parity.compare(results[0], ref)
+    assert max(errors.values()) <= parity.TOL
+
+
+def _compiled_peft(rank: int, world: int, path: str, ids, when: str) -> dict:
+    """``torch.compile(peft_model)`` with PEFT applied before binding or after ``parallelize``
+    (then the model changed since binding: hp_lazy binds the adapters before tracing too)."""
+    import test_peft
+    import torch
+    from torch._dynamo.utils import counters
+
+    import hp_lazy
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = parity._load(path)
+    if when == "after":
+        hp_lazy.parallelize(model)
+    peft_model = test_peft._peft(model)
+    compiled = torch.compile(peft_model, backend="eager", fullgraph=True)
+    result = _train(compiled, ids)
+    result["graph_breaks"] = sum(counters["graph_break"].values())
+    result["graphs"] = counters["stats"]["unique_graphs"]
+    return result if rank == 0 else {"graph_breaks": result["graph_breaks"]}
+
+
+@pytest.fixture(scope="module")
+def peft_ref(refs) -> tuple[str, dict]:
+    import test_peft
+
+    path = models.build("llama_bias", refs.root)
+    return path, test_peft._reference(path, models.batch())
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_compiled_peft_model(when: str, peft_ref, pool2: DistPool) -> None:
+    path, ref = peft_ref
+    pool = parity.activated(pool2, sequence_parallel=False)
+    results = pool.run(_compiled_peft, path, models.batch(), when)
+    assert [r["graph_breaks"] for r in results] == [0, 0] and results[0]["graphs"] == 1
+    assert max(parity.compare(results[0], ref).values()) <= parity.TOL
