@@ -30,6 +30,11 @@ relative gradient error (max over parameters of max|dg| / max|g_ref|) against th
     python benchmarks/step_time.py --models tiny --rounds 30 --world 2 --out /tmp/step_time.md
     python benchmarks/step_time.py --models medium --rounds 10 --variants hp_lazy,bare_tp
     python benchmarks/step_time.py --models tiny --world 2 --profile hp_lazy   # + cProfile of 5 steps, rank 0
+    python benchmarks/step_time.py --models tiny --world 2 --compile inductor --variants hp_lazy,hf_tp,bare_tp
+
+``--compile BACKEND``: every variant's model (the plain reference too) runs under
+``torch.compile(model, backend=BACKEND)`` after it is loaded and bound; collectives are counted and
+gradients compared on the model itself (the compiled module shares its parameters).
 """
 
 from __future__ import annotations
@@ -294,6 +299,8 @@ def worker(job: dict[str, Any]) -> None:
     variants = [v for v in job["variants"] if not (v == "ref_both" and world == 1)]
     loaded, failed = load_variants(variants, job["model_dir"], rank, world)
     variants = [v for v in variants if v not in failed]
+    if job.get("compile"):
+        loaded = {k: _compiled(m, job["compile"]) for k, m in loaded.items()}
     models = {v: loaded["ref" if v.startswith("ref_") else v] for v in variants}
 
     def step(m: Any) -> None:
@@ -305,7 +312,7 @@ def worker(job: dict[str, Any]) -> None:
             m(input_ids=ids)
 
     times = interleave(variants, models, {"step": step, "fwd": fwd}, job, rank)
-    counts = {v: count_collectives(v, models[v].model, ids, labels) for v in variants if v in TP_VARIANTS}
+    counts = {v: count_collectives(v, _eager(models[v].model), ids, labels) for v in variants if v in TP_VARIANTS}
     ref = numerics_step(loaded["ref"], ids, labels)
     numerics = {v: compare(numerics_step(models[v], ids, labels), ref) for v in variants if v in TP_VARIANTS}
     if job.get("profile") in models:
@@ -387,6 +394,16 @@ def count_collectives(variant: str, model: Any, ids: Any, labels: Any) -> dict[s
     model.zero_grad(set_to_none=True)
     out["comm_debug"] = {str(k).split(".")[-1]: n for k, n in cm.get_comm_counts().items()}
     return out
+
+
+def _compiled(m: Loaded, backend: str) -> Loaded:
+    import torch
+
+    return Loaded(torch.compile(m.model, backend=backend), lambda compiled, g=m.grads: g(_eager(compiled)))
+
+
+def _eager(model: Any) -> Any:
+    return getattr(model, "_orig_mod", model)
 
 
 def numerics_step(m: Loaded, ids: Any, labels: Any) -> tuple[Any, dict[str, Any]]:
@@ -529,6 +546,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--world", help="comma list of rank counts (default: tiny 1,2; medium 2)")
     ap.add_argument("--variants", default=",".join(ALL_VARIANTS), help="comma list; ref_solo is always added")
     ap.add_argument("--profile", choices=TP_VARIANTS, help="also cProfile 5 steps of this variant on rank 0")
+    ap.add_argument("--compile", default="", help="torch.compile backend for every variant (e.g. inductor)")
     ap.add_argument("--timeout", type=int, default=1200, help="seconds per launch")
     ap.add_argument("--out", help="also write the markdown tables to this file")
     ap.add_argument("--hp-embedding", choices=("vocab", "replicated"), default="vocab",
@@ -540,14 +558,15 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         ap.error(f"unknown variants {unknown}; choose from {ALL_VARIANTS}")
     report = [f"## Training-step time (torch {_version('torch')}, transformers {_version('transformers')}, "
-              f"{os.cpu_count()} CPUs, 1 thread per rank, gloo)\n"]
+              f"{os.cpu_count()} CPUs, 1 thread per rank, gloo"
+              f"{f', torch.compile(backend={args.compile!r})' if args.compile else ''})\n"]
     with tempfile.TemporaryDirectory(prefix="hp_lazy_step_time_") as root:
         for name in args.models.split(","):
             spec = MODELS[name]
             model_dir, inputs = build_checkpoint(name, root)
             job = dict(model=name, model_dir=model_dir, inputs=inputs, variants=variants, steps=args.steps,
                        rounds=args.rounds or spec.rounds, warmup=spec.warmup if args.warmup is None else args.warmup,
-                       profile=args.profile)
+                       profile=args.profile, compile=args.compile)
             worlds = [int(w) for w in args.world.split(",")] if args.world else list(spec.worlds)
             for world in worlds:
                 report.append(render(name, launch(job, world, root, args.timeout)))

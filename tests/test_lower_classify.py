@@ -9,7 +9,7 @@ import pytest
 from hp_lazy.errors import PlanError
 from hp_lazy.lower.classify import classify
 from hp_lazy.lower.facts import forward_facts
-from hp_lazy.plan.model import Contract, InnerOp, Region
+from hp_lazy.plan.model import Contract, Region
 from hp_lazy.plan.placement import Placement
 from hp_lazy.plan.transitions import Op, output_index, transition_op
 
@@ -129,8 +129,6 @@ def test_tuple_position_must_be_in_every_return() -> None:
 @pytest.mark.parametrize(
     ("extra", "expected"),
     [
-        ({"inner": InnerOp(call="attention", kind="cp_allgather_kv")},
-         r"layers\.\*\.attn\.inner: kind 'cp_allgather_kv' \(context parallel\) is not implemented yet"),
         ({"region": Region(kind="ep_dispatch")},
          r"layers\.\*\.attn\.region: kind 'ep_dispatch' \(expert parallel\) is not implemented yet"),
     ],

@@ -149,7 +149,12 @@ def _run_refused(rank: int, world: int, path: str, targets: list[str], extra: di
     import hp_lazy
     from hp_lazy.errors import ShardingError
 
-    peft_model = _peft(parity._load(path), targets=targets, **extra)
+    import transformers
+
+    # built from its config, not loaded: from_pretrained shards on read, and DoRA's own init then reads a
+    # sharded base weight and fails inside PEFT before hp_lazy sees the layer
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(path))
+    peft_model = _peft(model, targets=targets, **extra)
     try:
         hp_lazy.parallelize(peft_model.base_model.model)
     except ShardingError as exc:

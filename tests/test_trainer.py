@@ -89,3 +89,18 @@ def test_clip_refusals(pool: DistPool, refs) -> None:
 def test_dispatch_batches_is_refused(pool: DistPool, refs, tmp_path) -> None:
     with pytest.raises(WorkerError, match=r"dispatch_batches=True splits each batch over all ranks"):
         pool.run(trainwork.dispatching_loader)
+
+
+def test_trainer_checkpoint_resumes_exactly(pool: DistPool, refs, tmp_path) -> None:
+    """save_steps=2, then a fresh model and Trainer resumed from checkpoint-2 (model and AdamW state
+    through the Trainer's own saving): the same parameters and losses as the uninterrupted run and as
+    one process's."""
+    import models
+
+    path, _ = refs("llama")
+    ref = trainwork.trainer_resume(0, 1, path, str(tmp_path / "ref"))
+    got = pool.run(trainwork.trainer_resume, path, str(tmp_path / "hp"))
+    for name, value in ref["straight"].items():
+        assert models.rel_err(got[0]["straight"][name], value) <= trainwork.TOL["adamw_torch"], name
+        assert models.rel_err(got[0]["resumed"][name], got[0]["straight"][name]) <= 1e-6, name
+    assert models.rel_err(got[0]["resumed_losses"], got[0]["losses"][2:]) <= 1e-6

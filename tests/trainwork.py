@@ -245,3 +245,29 @@ def trainer_after_deactivate(rank: int, world: int, path: str, out: str) -> dict
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the lowered module stays imported
             hp_lazy.activate(plan)
+
+
+def trainer_resume(rank: int, world: int, path: str, out: str) -> dict[str, Any]:
+    """4 AdamW steps with a ``save_steps=2`` checkpoint, then a fresh model and Trainer resumed from
+    ``checkpoint-2`` run steps 3 and 4: both runs' final parameters (rank 0) and losses."""
+    import torch
+    from transformers import Trainer, TrainingArguments
+
+    import hp_lazy
+
+    def run(resume: str | None) -> tuple[Any, Any]:
+        args = TrainingArguments(
+            output_dir=out, per_device_train_batch_size=GLOBAL_BATCH // _dp_size(), max_steps=4, logging_steps=1,
+            report_to=[], optim="adamw_torch", learning_rate=1e-3, weight_decay=0.01, save_strategy="steps",
+            save_steps=2, use_cpu=True, disable_tqdm=True,
+        )
+        model = parity._load(path)
+        trainer = Trainer(model=model, args=args, train_dataset=Rows())
+        trainer.train(resume_from_checkpoint=resume)
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        return hp_lazy.full_state_dict(model), torch.tensor(losses, dtype=torch.float64)
+
+    straight, straight_losses = run(None)
+    resumed, resumed_losses = run(f"{out}/checkpoint-2")
+    return {"straight": straight if rank == 0 else None, "resumed": resumed if rank == 0 else None,
+            "losses": straight_losses, "resumed_losses": resumed_losses}

@@ -85,6 +85,8 @@ def parallelize(model: nn.Module, *, data_parallel: bool | None = None) -> nn.Mo
         )
     else:
         _check_after_load(model, laid_out.table)
+    watch = model.__dict__.get(WATCH)
+    changed = watch is not None and watch.dirty  # submodules replaced since loading (PEFT applied before the forward)
     _own_gradients(model, laid_out.mesh, laid_out.partial, data_parallel)
     for root in laid_out.roots:
         inputs.install(root, laid_out.mesh.group_of(("cp", "tp")))
@@ -99,6 +101,8 @@ def parallelize(model: nn.Module, *, data_parallel: bool | None = None) -> nn.Mo
             module.__dict__[BOUND] = True
     model.__dict__[BOUND] = True
     _watch(model)
+    if changed:
+        refresh(model)
     return model
 
 
@@ -149,6 +153,7 @@ def lay_out_before_load(model: nn.Module) -> LaidOut:
     for name, module in model.named_modules():
         if name and registry.lowered_for(type(module)) is not None:
             module.__dict__[LAID_OUT] = type(model).__qualname__
+    _watch(model)  # a submodule replaced before the first forward (PEFT) is bound then
     return laid_out
 
 

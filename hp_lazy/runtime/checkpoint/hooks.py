@@ -100,6 +100,9 @@ def _present_model(module: nn.Module, state_dict: dict[str, Any], prefix: str, l
                 f"{presentation.table.get(fqn).describe()} shard; checkpoints of FSDP2 on top of hp_lazy's "  # type: ignore[union-attr]
                 "tensor parallel are not supported yet; save with hp_lazy.full_state_dict(model)"
             )
+        layout = presentation.table.get(fqn)
+        if layout is not None and tuple(value.shape) == layout.full_shape != layout.local_shape:
+            continue  # gathered already (PEFT keeps a targeted lm_head's base full): the same on every rank
         state_dict[key] = presentation.present(fqn, value)
 
 
