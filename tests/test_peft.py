@@ -146,10 +146,10 @@ def test_lora_dropout_is_one_process_masks(peft_refs, pool2: DistPool, tmp_path)
 
 
 def _run_refused(rank: int, world: int, path: str, targets: list[str], extra: dict) -> str:
+    import transformers
+
     import hp_lazy
     from hp_lazy.errors import ShardingError
-
-    import transformers
 
     # built from its config, not loaded: from_pretrained shards on read, and DoRA's own init then reads a
     # sharded base weight and fails inside PEFT before hp_lazy sees the layer
