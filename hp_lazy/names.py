@@ -40,6 +40,8 @@ VOCAB_RANGE = "_hp_vocab"
 """Vocab-parallel embedding: the ``[start, end)`` rows it holds and the whole vocabulary's size."""
 CP_ENTRY = "_hp_cp_entry"
 """Bound root's ``__dict__`` key: its context-parallel :class:`~hp_lazy.runtime.cp.entry.ContextEntry`."""
+EP_DISPATCH = "_hp_ep"
+"""Experts module under expert parallel: its :class:`~hp_lazy.runtime.ep.dispatch.Dispatch` (group, expert counts)."""
 INPUT_CHECK = "_hp_input_check"
 """Bound root's ``__dict__`` key: its :class:`~hp_lazy.runtime.inputs.InputCheck`."""
 PATCHED = "_hp_patched"
@@ -47,5 +49,5 @@ PATCHED = "_hp_patched"
 
 GENERATED: frozenset[str] = frozenset({RT, INFO, BINDING, FORM, OUT, CALL})
 ATTACHED: frozenset[str] = frozenset(
-    {BOUND, LAYOUT_ATTR, GRADS_ATTR, LEAF_INPUTS, VOCAB_RANGE, INPUT_CHECK, CP_ENTRY, PATCHED}
+    {BOUND, LAYOUT_ATTR, GRADS_ATTR, LEAF_INPUTS, VOCAB_RANGE, INPUT_CHECK, CP_ENTRY, EP_DISPATCH, PATCHED}
 )

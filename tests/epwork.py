@@ -1,0 +1,177 @@
+"""Expert-parallel runs shared by the ep test modules: every data-parallel rank feeds its own rows
+of the global batch; the reference is one process on the whole batch (plain transformers).
+
+The labels leave the same number of valid targets in every row, so the mean of the ranks' mean
+losses (DDP's convention, which hp_lazy's gradient owner follows) is the global mean.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import models
+
+IMPLS = ("grouped_mm", "eager", "batched_mm")
+
+
+def batch(rows: int = 2, seq: int = 16) -> dict[str, Any]:
+    ids = models.batch(batch_size=rows, seq=seq)
+    labels = ids.clone()
+    for r in range(rows):  # 4 ignored targets per row, in different places
+        start = (3 * r) % (seq - 5) + 1
+        labels[r, start : start + 4] = -100
+    return {"input_ids": ids, "labels": labels}
+
+
+def load(path: str, impl: str = "grouped_mm"):
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, experts_implementation=impl)
+
+
+def hole(path: str) -> str:
+    """The model with every router biased so that all tokens pick experts of the first half (rank 0's
+    at ep=2): a constant feature in the embeddings, read with opposite signs by the two halves."""
+    import os
+
+    import torch
+
+    out = path + "_hole"
+    if os.path.exists(os.path.join(out, "config.json")):
+        return out
+    model = load(path)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] = 10.0
+        for layer in model.model.layers:
+            gate = getattr(layer.mlp, "gate", None)
+            if gate is not None and getattr(gate, "weight", None) is not None and gate.weight.dim() == 2:
+                n = gate.weight.shape[0]
+                gate.weight[: n // 2, 0] = 5.0
+                gate.weight[n // 2 :, 0] = -5.0
+    model.save_pretrained(out)
+    return out
+
+
+def _routing(model) -> tuple[list, list]:
+    """Forward hooks recording every router's top-k expert indices."""
+    seen: list = []
+    handles = []
+    for name, module in model.named_modules():
+        if name.endswith("mlp.gate") and "shared" not in name:
+            handles.append(module.register_forward_hook(lambda m, a, out: seen.append(out[2].detach().clone())))
+    return seen, handles
+
+
+def run(model, data: dict[str, Any], *, steps: int = 3, rows=None, gather=None, mean=None, full_grads=None,
+        full_state_dict=None) -> dict[str, Any]:
+    """One fwd+bwd (logits, loss, grads, routing), then ``steps`` SGD steps with weight decay, on
+    ``data`` (the rows ``rows`` of it, when given)."""
+    import torch
+
+    mine = data if rows is None else {k: v[rows] for k, v in data.items()}
+    gather = gather or (lambda t: t)
+    mean = mean or (lambda t: t)
+    grads_of = full_grads or (lambda m: {n: p.grad.detach().clone() for n, p in m.named_parameters() if p.grad is not None})
+    state_of = full_state_dict or (lambda m: {k: v.detach().clone() for k, v in m.state_dict().items()})
+    seen, handles = _routing(model)
+    out = model(**mine)
+    for handle in handles:
+        handle.remove()
+    out.loss.backward()
+    tokens = mine["input_ids"].shape
+    routing = [gather(idx.view(*tokens, -1)) for idx in seen]
+    result = {"logits": gather(out.logits.detach()), "loss": mean(out.loss.detach()), "grads": grads_of(model),
+              "routing": routing}
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, weight_decay=0.01)
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss = model(**mine).loss
+        loss.backward()
+        optimizer.step()
+        losses.append(mean(loss.detach()))
+    result["losses"] = torch.stack(losses)
+    result["state"] = state_of(model)
+    return result
+
+
+def reference(path: str, data: dict[str, Any], impl: str = "grouped_mm") -> dict[str, Any]:
+    return run(load(path, impl), data)
+
+
+def _dp_tools():
+    import torch
+    import torch.distributed as tdist
+
+    import hp_lazy
+
+    dp = hp_lazy.mesh().group("dp")
+
+    def gather(t):
+        parts = [torch.empty_like(t) for _ in range(dp.size)]
+        tdist.all_gather(parts, t.contiguous(), group=dp.pg)
+        return torch.cat(parts)
+
+    def mean(t):
+        t = t.clone()
+        tdist.all_reduce(t, group=dp.pg)
+        return t / dp.size
+
+    return dp, gather, mean
+
+
+def train(rank: int, world: int, path: str, data: dict[str, Any], impl: str = "grouped_mm") -> dict[str, Any]:
+    import hp_lazy
+
+    model = hp_lazy.parallelize(load(path, impl))
+    dp, gather, mean = _dp_tools()
+    per = data["input_ids"].shape[0] // dp.size
+    result = run(model, data, rows=slice(dp.rank * per, (dp.rank + 1) * per), gather=gather, mean=mean,
+                 full_grads=hp_lazy.full_grads, full_state_dict=hp_lazy.full_state_dict)
+    result["local_experts"] = [m.num_experts for n, m in model.named_modules() if n.endswith("mlp.experts")]
+    return result if rank == 0 else {k: result[k] for k in ("loss", "logits", "routing", "local_experts")}
+
+
+def count(rank: int, world: int, path: str, data: dict[str, Any]) -> dict[str, dict[str, int]]:
+    import hp_lazy
+
+    model = hp_lazy.parallelize(load(path))
+    dp, _, _ = _dp_tools()
+    per = data["input_ids"].shape[0] // dp.size
+    mine = {k: v[dp.rank * per : (dp.rank + 1) * per] for k, v in data.items()}
+    with hp_lazy.collective_counter() as counter:
+        model(**mine).loss.backward()
+    return {phase: counter.by_phase(phase) for phase in ("forward", "backward")}
+
+
+def error(rank: int, world: int, path: str, data: dict[str, Any], **load_kw: Any) -> str:
+    import torch
+    import transformers
+
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **load_kw)
+        model(**{k: v[rank : rank + 1] for k, v in data.items()})
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "ok"
+
+
+def disconnected(rank: int, world: int, path: str, data: dict[str, Any]) -> Any:
+    """Negative control: the zero-row guard removed (eager experts that receive no rows return a
+    fresh zeros tensor): the rank skips the backward all-to-alls its peer waits in."""
+    from hp_lazy.runtime.ep import dispatch
+
+    original = dispatch.connect
+    dispatch.connect = lambda out, rows, params: out
+    try:
+        return train(rank, world, path, data, impl="eager")["loss"]
+    finally:
+        dispatch.connect = original
+
+
+def activate(rank: int, world: int, **degrees: int) -> None:
+    import hp_lazy
+
+    hp_lazy.activate("auto", **degrees)

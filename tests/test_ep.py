@@ -1,0 +1,79 @@
+"""Expert parallel at world 2 (ep=2, the two ranks data parallel, each holding half of every
+layer's experts and feeding its own row): one process's loss, logits, routing, every gradient
+(expert shards gathered by ``hp_lazy.full_grads``) and 3 SGD+weight-decay steps, for Qwen3-MoE
+(grouped_mm, eager, batched_mm) and Qwen2-MoE (shared expert); a router hole (every token routed
+to rank 0's experts); the collectives per layer; refusals."""
+
+from __future__ import annotations
+
+import epwork
+import models
+import parity
+import pytest
+from dist import DistPool, pool_fixture
+
+pool2 = pool_fixture(2, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def ready(pool2: DistPool, tmp_path_factory):
+    if getattr(pool2, "_hp_activated", None) is not pool2._procs or not pool2._procs:
+        pool2.run(epwork.activate, ep=2)
+        pool2._hp_activated = pool2._procs
+    return pool2, str(tmp_path_factory.mktemp("models"))
+
+
+def _check(pool, path: str, impl: str = "grouped_mm") -> dict[str, float]:
+    data = epwork.batch()
+    ref = epwork.reference(path, data, impl)
+    results = pool.run(epwork.train, path, data, impl)
+    for got in results:  # routing agreement, fp32: the same top-k experts for every token
+        assert len(got["routing"]) == len(ref["routing"]) > 0
+        for mine, theirs in zip(got["routing"], ref["routing"], strict=True):
+            assert (mine == theirs).all()
+        assert models.rel_err(got["loss"], ref["loss"]) <= parity.TOL
+        assert models.rel_err(got["logits"], ref["logits"]) <= parity.TOL
+    return parity.compare(results[0], ref)
+
+
+@pytest.mark.parametrize(("name", "impl"), [("qwen3_moe", "grouped_mm"), ("qwen3_moe", "eager"),
+                                            ("qwen3_moe", "batched_mm"), ("qwen2_moe", "grouped_mm")])
+def test_ep_matches_one_process(ready, name: str, impl: str) -> None:
+    pool, root = ready
+    errors = _check(pool, models.build(name, root), impl)
+    assert max(errors.values()) <= parity.TOL
+
+
+@pytest.mark.parametrize("impl", ["eager", "grouped_mm"])
+def test_router_hole(ready, impl: str) -> None:
+    """Every token picks rank 0's experts: rank 1 receives no rows, its experts get zero gradients
+    (weight decay still applies), and nothing hangs."""
+    pool, root = ready
+    path = epwork.hole(models.build("qwen3_moe", root))
+    ref = epwork.reference(path, epwork.batch(), impl)
+    assert all((idx < 2).all() for idx in ref["routing"])  # the hole is there
+    _check(pool, path, impl)
+
+
+def test_collectives_per_layer(ready) -> None:
+    pool, root = ready
+    counts = pool.run(epwork.count, models.build("qwen3_moe", root), epwork.batch())
+    moe_layers = 1  # layer 0 of the tiny Qwen3-MoE is dense
+    # per MoE layer: forward the counts and the rows there and back (3 all-to-alls), backward the
+    # rows back and there (2); gradients: one bucket averaged over dp (dense), one for the expert
+    # shards (edp = 1 rank here: divided by dp, nothing sent) and the loss's none
+    assert counts == [{"forward": {"all_to_all": 3 * moe_layers},
+                       "backward": {"all_to_all": 2 * moe_layers, "all_reduce": 1}}] * 2
+
+
+REFUSED = [
+    ({"output_router_logits": True}, "output_router_logits=True adds the load-balancing aux loss"),
+]
+
+
+def test_aux_loss_refused(ready) -> None:
+    pool, root = ready
+    path = models.build("qwen3_moe", root)
+    out = pool.run(epwork.error, path, epwork.batch(), output_router_logits=True)
+    assert all("config.output_router_logits=True adds the load-balancing aux loss" in o for o in out), out
+    assert all("not one process's aux loss over the global batch" in o for o in out), out
