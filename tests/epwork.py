@@ -146,12 +146,16 @@ def count(rank: int, world: int, path: str, data: dict[str, Any]) -> dict[str, d
     return {phase: counter.by_phase(phase) for phase in ("forward", "backward")}
 
 
-def error(rank: int, world: int, path: str, data: dict[str, Any], **load_kw: Any) -> str:
+def error(rank: int, world: int, path: str, data: dict[str, Any], **config_kw: Any) -> str:
+    """The error text a forward raises on this rank's row (``config_kw`` set on the config)."""
     import torch
     import transformers
 
     try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **load_kw)
+        config = transformers.AutoConfig.from_pretrained(path)
+        for key, value in config_kw.items():
+            setattr(config, key, value)
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32)
         model(**{k: v[rank : rank + 1] for k, v in data.items()})
     except Exception as exc:
         return f"{type(exc).__name__}: {exc}"

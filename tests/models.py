@@ -41,6 +41,9 @@ MORE_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     # expert parallel at ep=4: 8 experts, top-2, both layers MoE
     "qwen3_moe8": ("Qwen3MoeConfig", {"head_dim": 8, "num_experts": 8, "num_experts_per_tok": 2,
                                       "moe_intermediate_size": 16, "norm_topk_prob": True}),
+    # 3 experts: not divisible by ep=2 (refused)
+    "qwen3_moe3": ("Qwen3MoeConfig", {"head_dim": 8, "num_experts": 3, "num_experts_per_tok": 2,
+                                      "moe_intermediate_size": 16, "mlp_only_layers": [0]}),
 }
 """Models only some test modules use (the parity modules sweep :data:`CONFIGS`)."""
 """Not yet under sequence parallel (Plan.auto refuses it with a PlanError)."""

@@ -77,3 +77,27 @@ def test_aux_loss_refused(ready) -> None:
     out = pool.run(epwork.error, path, epwork.batch(), output_router_logits=True)
     assert all("config.output_router_logits=True adds the load-balancing aux loss" in o for o in out), out
     assert all("not one process's aux loss over the global batch" in o for o in out), out
+
+
+def test_experts_not_divisible_by_ep_refused(ready) -> None:
+    pool, root = ready
+    out = pool.run(epwork.error, models.build("qwen3_moe3", root), epwork.batch())
+    assert all("model.layers.1.mlp.experts (Qwen3MoeForCausalLM): num_experts=3 is not divisible by ep=2; use an "
+               "ep that divides 3 (one of [1, 3])" in o for o in out), out
+
+
+def test_capacity_config_refused(ready) -> None:
+    pool, root = ready
+    out = pool.run(epwork.error, models.build("qwen3_moe", root), epwork.batch(), router_capacity_factor=1.25)
+    assert all("config.router_capacity_factor=1.25 drops tokens beyond an expert capacity, but the ep_dispatch "
+               "region is dropless" in o for o in out), out
+
+
+def test_ep_with_ddp_owning_dp_refused() -> None:
+    from hp_lazy.errors import ShardingError
+    from hp_lazy.runtime.grads import rules_for
+    from hp_lazy.runtime.mesh import Mesh
+
+    with pytest.raises(ShardingError, match=r"expert parallel \(ep=2\) with data_parallel=False: torch DDP or FSDP2 "
+                       r"would average the expert shards over every dp rank"):
+        rules_for(__import__("torch").nn.Linear(2, 2), {}, Mesh(shape=(("dp", 2),), world=2, ep=2), data_parallel=False)
