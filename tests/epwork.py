@@ -80,8 +80,8 @@ def run(model, data: dict[str, Any], *, steps: int = 3, rows=None, gather=None, 
     for handle in handles:
         handle.remove()
     out.loss.backward()
-    tokens = mine["input_ids"].shape
-    routing = [gather(idx.view(*tokens, -1)) for idx in seen]
+    rows_here = mine["input_ids"].shape[0]
+    routing = [gather(idx.view(rows_here, -1, idx.shape[-1])) for idx in seen]  # [B, S (local under cp), K]
     result = {"logits": gather(out.logits.detach()), "loss": mean(out.loss.detach()), "grads": grads_of(model),
               "routing": routing}
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, weight_decay=0.01)
@@ -109,12 +109,17 @@ def _dp_tools():
 
     dp = hp_lazy.mesh().group("dp")
 
-    def gather(t):
+    def gather(t):  # the whole sequence (cp), then every dp rank's rows
+        t = hp_lazy.gather_sequence(t)
+        if dp.size == 1:
+            return t
         parts = [torch.empty_like(t) for _ in range(dp.size)]
         tdist.all_gather(parts, t.contiguous(), group=dp.pg)
         return torch.cat(parts)
 
     def mean(t):
+        if dp.size == 1:
+            return t
         t = t.clone()
         tdist.all_reduce(t, group=dp.pg)
         return t / dp.size
