@@ -82,8 +82,9 @@ def run(model, data: dict[str, Any], *, steps: int = 3, rows=None, gather=None, 
     out.loss.backward()
     rows_here = mine["input_ids"].shape[0]
     routing = [gather(idx.view(rows_here, -1, idx.shape[-1])) for idx in seen]  # [B, S (local under cp), K]
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1e9)  # one process's norm, nothing clipped
     result = {"logits": gather(out.logits.detach()), "loss": mean(out.loss.detach()), "grads": grads_of(model),
-              "routing": routing}
+              "routing": routing, "norm": norm.detach().clone()}
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, weight_decay=0.01)
     losses = []
     for _ in range(steps):
@@ -127,16 +128,17 @@ def _dp_tools():
     return dp, gather, mean
 
 
-def train(rank: int, world: int, path: str, data: dict[str, Any], impl: str = "grouped_mm") -> dict[str, Any]:
+def train(rank: int, world: int, path: str, data: dict[str, Any], impl: str = "grouped_mm",
+          grads: bool = True) -> dict[str, Any]:
     import hp_lazy
 
     model = hp_lazy.parallelize(load(path, impl))
     dp, gather, mean = _dp_tools()
     per = data["input_ids"].shape[0] // dp.size
     result = run(model, data, rows=slice(dp.rank * per, (dp.rank + 1) * per), gather=gather, mean=mean,
-                 full_grads=hp_lazy.full_grads, full_state_dict=hp_lazy.full_state_dict)
+                 full_grads=hp_lazy.full_grads if grads else (lambda m: {}), full_state_dict=hp_lazy.full_state_dict)
     result["local_experts"] = [m.num_experts for n, m in model.named_modules() if n.endswith("mlp.experts")]
-    return result if rank == 0 else {k: result[k] for k in ("loss", "logits", "routing", "local_experts")}
+    return result if rank == 0 else {k: result[k] for k in ("loss", "logits", "routing", "local_experts", "norm")}
 
 
 def count(rank: int, world: int, path: str, data: dict[str, Any]) -> dict[str, dict[str, int]]:
@@ -176,6 +178,21 @@ def disconnected(rank: int, world: int, path: str, data: dict[str, Any]) -> Any:
     dispatch.connect = lambda out, rows, params: out
     try:
         return train(rank, world, path, data, impl="eager")["loss"]
+    finally:
+        dispatch.connect = original
+
+
+def unconnected_experts(rank: int, world: int, path: str, data: dict[str, Any]) -> dict[str, Any]:
+    """Negative control: the zero-row guard ties the output to the received rows only, not to the
+    expert parameters: a rank whose experts get no rows keeps ``grad = None`` for them, so SGD skips
+    their weight decay (only the parameters are compared: ``full_grads`` of a ``None`` gradient is
+    no collective on that rank)."""
+    from hp_lazy.runtime.ep import dispatch
+
+    original = dispatch.connect
+    dispatch.connect = lambda out, rows, params: original(out, rows, [])
+    try:
+        return train(rank, world, path, data, impl="eager", grads=False)
     finally:
         dispatch.connect = original
 

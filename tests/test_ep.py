@@ -33,6 +33,7 @@ def _check(pool, path: str, impl: str = "grouped_mm") -> dict[str, float]:
             assert (mine == theirs).all()
         assert models.rel_err(got["loss"], ref["loss"]) <= parity.TOL
         assert models.rel_err(got["logits"], ref["logits"]) <= parity.TOL
+        assert models.rel_err(got["norm"], ref["norm"]) <= parity.TOL  # clip_grad_norm_: one process's norm
     return parity.compare(results[0], ref)
 
 
@@ -53,6 +54,18 @@ def test_router_hole(ready, impl: str) -> None:
     ref = epwork.reference(path, epwork.batch(), impl)
     assert all((idx < 2).all() for idx in ref["routing"])  # the hole is there
     _check(pool, path, impl)
+
+
+def test_expert_grads_left_none_fail_parity(ready) -> None:
+    """Negative control: rank 1's experts receive no rows; tied to the rows only, their gradients stay
+    None and weight decay skips them, so the parameters after 3 SGD+wd steps differ from one process's."""
+    pool, root = ready
+    path = epwork.hole(models.build("qwen3_moe", root))
+    ref = epwork.reference(path, epwork.batch(), "eager")
+    results = pool.run(epwork.unconnected_experts, path, epwork.batch())
+    for name in ("gate_up_proj", "down_proj"):
+        key = f"model.layers.1.mlp.experts.{name}"
+        assert models.rel_err(results[0]["state"][key], ref["state"][key]) > 1e-3  # measured 2.4e-3 / 3.0e-3 (every other parameter ~1e-7)
 
 
 def test_collectives_per_layer(ready) -> None:
