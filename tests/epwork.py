@@ -23,12 +23,16 @@ def batch(rows: int = 2, seq: int = 16) -> dict[str, Any]:
     return {"input_ids": ids, "labels": labels}
 
 
-def load(path: str, impl: str = "grouped_mm"):
+def load(path: str, impl: str = "grouped_mm", config: dict[str, Any] | None = None):
     import torch
     import transformers
 
     torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, experts_implementation=impl)
+    cfg = transformers.AutoConfig.from_pretrained(path)
+    for key, value in (config or {}).items():
+        setattr(cfg, key, value)
+    return transformers.AutoModelForCausalLM.from_pretrained(path, config=cfg, dtype=torch.float32,
+                                                             experts_implementation=impl)
 
 
 def hole(path: str) -> str:
@@ -85,6 +89,8 @@ def run(model, data: dict[str, Any], *, steps: int = 3, rows=None, gather=None, 
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1e9)  # one process's norm, nothing clipped
     result = {"logits": gather(out.logits.detach()), "loss": mean(out.loss.detach()), "grads": grads_of(model),
               "routing": routing, "norm": norm.detach().clone()}
+    if getattr(out, "aux_loss", None) is not None:
+        result["aux"] = out.aux_loss.detach().clone()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, weight_decay=0.01)
     losses = []
     for _ in range(steps):
@@ -98,8 +104,9 @@ def run(model, data: dict[str, Any], *, steps: int = 3, rows=None, gather=None, 
     return result
 
 
-def reference(path: str, data: dict[str, Any], impl: str = "grouped_mm") -> dict[str, Any]:
-    return run(load(path, impl), data)
+def reference(path: str, data: dict[str, Any], impl: str = "grouped_mm",
+              config: dict[str, Any] | None = None) -> dict[str, Any]:
+    return run(load(path, impl, config), data)
 
 
 def _dp_tools():
@@ -129,16 +136,25 @@ def _dp_tools():
 
 
 def train(rank: int, world: int, path: str, data: dict[str, Any], impl: str = "grouped_mm",
-          grads: bool = True) -> dict[str, Any]:
+          grads: bool = True, config: dict[str, Any] | None = None, local_aux: bool = False) -> dict[str, Any]:
+    import sys
+
     import hp_lazy
 
-    model = hp_lazy.parallelize(load(path, impl))
+    model = hp_lazy.parallelize(load(path, impl, config))
+    module = sys.modules[type(model).__module__]
+    original = getattr(module.load_balancing_loss_func, "hp_original", None)
+    if local_aux and original is not None:  # negative control: transformers' aux loss on this rank's rows
+        module.load_balancing_loss_func, restore = original, module.load_balancing_loss_func
     dp, gather, mean = _dp_tools()
     per = data["input_ids"].shape[0] // dp.size
     result = run(model, data, rows=slice(dp.rank * per, (dp.rank + 1) * per), gather=gather, mean=mean,
                  full_grads=hp_lazy.full_grads if grads else (lambda m: {}), full_state_dict=hp_lazy.full_state_dict)
+    if local_aux and original is not None:
+        module.load_balancing_loss_func = restore
     result["local_experts"] = [m.num_experts for n, m in model.named_modules() if n.endswith("mlp.experts")]
-    return result if rank == 0 else {k: result[k] for k in ("loss", "logits", "routing", "local_experts", "norm")}
+    keep = ("loss", "logits", "routing", "local_experts", "norm", "aux")
+    return result if rank == 0 else {k: result[k] for k in keep if k in result}
 
 
 def count(rank: int, world: int, path: str, data: dict[str, Any]) -> dict[str, dict[str, int]]:

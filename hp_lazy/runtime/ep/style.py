@@ -18,13 +18,16 @@ every style, :mod:`hp_lazy.runtime.style`):
 - ``gradients``: the expert shards' gradients are summed over the expert-data-parallel ranks only
   (:func:`hp_lazy.runtime.grads.rules_for`); the router and shared experts stay replicated and
   are averaged over dp like every dense parameter;
-- ``finish``: the load-balancing aux loss (``output_router_logits``) is refused: computed from
-  this rank's router logits it is not one process's.
+- ``finish``: the load-balancing aux loss (``output_router_logits``) is made global
+  (:mod:`.aux`: the modeling module's ``load_balancing_loss_func`` is replaced); where it cannot
+  be (a non-standard function, or context parallel, which refuses router logits itself) it is
+  refused: computed from this rank's router logits it is not one process's.
 """
 
 from __future__ import annotations
 
 import inspect
+import sys
 from typing import Any
 
 from torch import nn
@@ -35,6 +38,7 @@ from hp_lazy.plan.model import Contract
 from hp_lazy.plan.placement import Shard
 from hp_lazy.runtime import leaves
 from hp_lazy.runtime.binding import Binding
+from hp_lazy.runtime.ep import aux
 from hp_lazy.runtime.ep.dispatch import Dispatch, ExpertDispatch
 from hp_lazy.runtime.mesh import EDP
 from hp_lazy.runtime.style import BindContext, params_matching
@@ -130,6 +134,13 @@ class ExpertParallelStyle:
         if not self.experts:
             return
         family = type(ctx.root).__qualname__
+        module = sys.modules.get(type(ctx.root).__module__)
+        current = getattr(module, aux.NAME, None)
+        if getattr(current, "hp_original", None) is not None:
+            return  # made global by an earlier bind
+        if ctx.mesh.degree("cp") == 1 and current is not None and aux.replaceable(current):
+            setattr(module, aux.NAME, aux.global_load_balancing(ctx.mesh.group("dp"), current))
+            return
         config = getattr(ctx.root, "config", None)
         if getattr(config, "output_router_logits", False):
             raise ShardingError(_AUX.format(family=family, where="config.output_router_logits=True"))
@@ -138,8 +149,9 @@ class ExpertParallelStyle:
 
 _AUX = (
     "{family}: {where} adds the load-balancing aux loss, which transformers computes from this rank's router "
-    "logits only, so under expert parallel it is not one process's aux loss over the global batch; set "
-    "output_router_logits=False (the aux loss over the global batch is not implemented yet)"
+    "logits only, so under expert parallel it is not one process's aux loss over the global batch, and hp_lazy "
+    "cannot replace this module's load_balancing_loss_func (not the standard one, or under context parallel); set "
+    "output_router_logits=False"
 )
 
 
