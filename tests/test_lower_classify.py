@@ -132,7 +132,7 @@ def test_tuple_position_must_be_in_every_return() -> None:
         ({"inner": InnerOp(call="attention", kind="cp_allgather_kv")},
          r"layers\.\*\.attn\.inner: kind 'cp_allgather_kv' \(context parallel\) is not implemented yet"),
         ({"region": Region(kind="ep_dispatch")},
-         r"layers\.\*\.attn\.region: kind 'ep_dispatch' \(expert parallel\) is not implemented yet"),
+         r"layers\.\*\.attn\.region: kind 'ep_dispatch' replaces the module's compute at run time \(runtime/ep\)"),
     ],
 )
 def test_unimplemented_inner_ops_and_regions_are_never_lowered_silently(extra: dict, expected: str) -> None:
