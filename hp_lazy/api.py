@@ -60,6 +60,7 @@ def activate(
     sequence_parallel: bool = False,
     cp: int | None = None,
     cp_mode: str | None = None,
+    ep: int | None = None,
     data_parallel: bool = True,
     bucket_cap_mb: float = 25.0,
     cache_dir: str | os.PathLike[str] | None = None,
@@ -70,6 +71,8 @@ def activate(
     ``base_model_tp_plan``; needs ``tp`` or ``cp``). ``tp`` with an explicit plan overrides its mesh tp.
     ``cp`` (``"auto"`` only): context parallel; every rank of a cp group passes the same full
     batch, which the model splits along the sequence (``hp_lazy.gather_sequence`` joins outputs).
+    ``ep`` (``"auto"`` only): expert parallel over ``ep`` of the ranks holding different tokens
+    (``ep`` divides ``dp * cp``): each holds ``1/ep`` of every layer's experts and feeds its own rows.
     With more ranks than the plan's degrees, the rest are data parallel: ``data_parallel=True``
     (the default) has hp_lazy average every gradient over them (bucketed, during backward);
     ``False`` leaves that to torch DDP or FSDP2 over ``hp_lazy.mesh().group("dp")``.
@@ -80,7 +83,7 @@ def activate(
     if os.environ.get("HP_LAZY", "1").strip() == "0":
         logger.debug("hp_lazy: HP_LAZY=0, activate() does nothing")
         return Handle(plan=None)
-    resolved = load_plan(plan, tp=tp, sequence_parallel=sequence_parallel, cp=cp, cp_mode=cp_mode)
+    resolved = load_plan(plan, tp=tp, sequence_parallel=sequence_parallel, cp=cp, cp_mode=cp_mode, ep=ep)
     cache = Cache(None if cache_dir is None else os.fspath(cache_dir))
     when_imported("accelerate.accelerator", _integrate_accelerate)  # before install: its finder stays first
     when_imported("transformers.trainer", _integrate_trainer)

@@ -41,6 +41,8 @@ VOCAB_RANGE = "_hp_vocab"
 whole vocabulary's size and padding id."""
 CP_ENTRY = "_hp_cp_entry"
 """Bound root's ``__dict__`` key: its context-parallel :class:`~hp_lazy.runtime.cp.entry.ContextEntry`."""
+EP_DISPATCH = "_hp_ep"
+"""Experts module under expert parallel: its :class:`~hp_lazy.runtime.ep.dispatch.Dispatch` (group, expert counts)."""
 INPUT_CHECK = "_hp_input_check"
 """Bound root's ``__dict__`` key: its :class:`~hp_lazy.runtime.inputs.InputCheck`."""
 PATCHED = "_hp_patched"
@@ -64,6 +66,6 @@ OPTIM_ADOPTED = "_hp_adopted"
 
 GENERATED: frozenset[str] = frozenset({RT, INFO, BINDING, FORM, OUT, CALL})
 ATTACHED: frozenset[str] = frozenset(
-    {BOUND, LAYOUT_ATTR, GRADS_ATTR, LEAF_INPUTS, VOCAB_RANGE, INPUT_CHECK, CP_ENTRY, PATCHED, OPTIM_ADOPTED, LAID_OUT,
-     LEAF, WATCH, ADAPTER_HOOKS, LAZY_HOOK, LAZY_INIT}
+    {BOUND, LAYOUT_ATTR, GRADS_ATTR, LEAF_INPUTS, VOCAB_RANGE, INPUT_CHECK, CP_ENTRY, EP_DISPATCH, PATCHED,
+     OPTIM_ADOPTED, LAID_OUT, LEAF, WATCH, ADAPTER_HOOKS, LAZY_HOOK, LAZY_INIT}
 )

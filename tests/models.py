@@ -38,6 +38,16 @@ MORE_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     # dynamic RoPE rescales by the largest position seen: 16-token batches pass the 8 it was built for
     "llama_dynamic": ("LlamaConfig", {"max_position_embeddings": 8,
                                       "rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}}),
+    # expert parallel: a shared expert beside 4 routed experts (top-2), layer 0 dense
+    "qwen2_moe": ("Qwen2MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                     "shared_expert_intermediate_size": 48, "mlp_only_layers": [0],
+                                     "norm_topk_prob": False}),
+    # expert parallel at ep=4: 8 experts, top-2, both layers MoE
+    "qwen3_moe8": ("Qwen3MoeConfig", {"head_dim": 8, "num_experts": 8, "num_experts_per_tok": 2,
+                                      "moe_intermediate_size": 16, "norm_topk_prob": True}),
+    # 3 experts: not divisible by ep=2 (refused)
+    "qwen3_moe3": ("Qwen3MoeConfig", {"head_dim": 8, "num_experts": 3, "num_experts_per_tok": 2,
+                                      "moe_intermediate_size": 16, "mlp_only_layers": [0]}),
 }
 """Models only some test modules use (the parity modules sweep :data:`CONFIGS`)."""
 """Not yet under sequence parallel (Plan.auto refuses it with a PlanError)."""

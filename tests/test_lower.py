@@ -309,7 +309,9 @@ def test_qwen3_moe_keeps_strings_transformers_greps_for_and_refuses_a_region() -
     assert "@use_experts_implementation\nclass Qwen3MoeExperts" in text
     assert "hidden_states = __hp_rt__.copy_to(hidden_states, _hp_b.ep)" in text
     region = Contract(pattern=moe.pattern, in_src=moe.in_src, params=moe.params, region=Region(kind="ep_dispatch"))
-    with pytest.raises(PlanError, match=r"model.layers.\*.mlp.region: kind 'ep_dispatch' \(expert parallel\) is not implemented"):
+    with pytest.raises(PlanError, match=r"model.layers.\*.mlp.region: kind 'ep_dispatch' replaces the module's compute at "
+                       r"run time \(runtime/ep\), so its class is not rewritten from source; add "
+                       r"\"skip_source_lowering\": true"):
         lower(source, replace(module_plan, contracts=(region,)), filename="qwen3_moe.py")
 
 

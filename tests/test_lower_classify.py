@@ -130,7 +130,7 @@ def test_tuple_position_must_be_in_every_return() -> None:
     ("extra", "expected"),
     [
         ({"region": Region(kind="ep_dispatch")},
-         r"layers\.\*\.attn\.region: kind 'ep_dispatch' \(expert parallel\) is not implemented yet"),
+         r"layers\.\*\.attn\.region: kind 'ep_dispatch' replaces the module's compute at run time \(runtime/ep\)"),
     ],
 )
 def test_unimplemented_inner_ops_and_regions_are_never_lowered_silently(extra: dict, expected: str) -> None:

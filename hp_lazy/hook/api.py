@@ -177,7 +177,7 @@ def _detach(finder: HpLazyFinder) -> None:
 # -- plans ---------------------------------------------------------------------------------------
 def load_plan(
     plan: PlanSpec, *, tp: int | None = None, sequence_parallel: bool = False, cp: int | None = None,
-    cp_mode: str | None = None,
+    cp_mode: str | None = None, ep: int | None = None,
 ) -> Plan:
     """A Plan from any accepted form (shared by ``activate`` and the CLI): a Plan, a dict, JSON text or
     the path of a JSON file (:func:`hp_lazy.plan.plan.read_json`), or ``"auto"``. Bad input of any
@@ -185,7 +185,7 @@ def load_plan(
     if tp is not None:
         check_degree(f"activate(tp={shown(tp)})", tp, "tp=2")
     if isinstance(plan, str) and plan == "auto":
-        if tp is None and cp is not None:
+        if tp is None and (cp is not None or ep is not None):
             tp = 1
         if tp is None:
             raise PlanError(
@@ -193,11 +193,12 @@ def load_plan(
                 "degree; pass tp=N, e.g. hp_lazy.activate('auto', tp=2)"
             )
         return Plan.auto(tp=tp, sequence_parallel=sequence_parallel, cp=1 if cp is None else cp,
-                         cp_mode=cp_mode or "allgather")
-    if cp is not None or cp_mode is not None:
+                         cp_mode=cp_mode or "allgather", ep=1 if ep is None else ep)
+    if cp is not None or cp_mode is not None or ep is not None:
         raise PlanError(
-            f"activate({shown(plan, limit=60)}): cp= and cp_mode= apply to the 'auto' plan only; an explicit plan "
-            "states cp in its mesh and the inner op on its attention boundaries; drop the arguments"
+            f"activate({shown(plan, limit=60)}): cp=, cp_mode= and ep= apply to the 'auto' plan only; an explicit "
+            "plan states cp and ep in its mesh, the inner op on its attention boundaries and the ep_dispatch region "
+            "on its experts; drop the arguments"
         )
     if sequence_parallel:
         raise PlanError(

@@ -83,6 +83,12 @@ def _describe_returns(facts: ForwardFacts) -> str:
 def classify(contract: Contract, facts: ForwardFacts, mesh: Mapping[str, int]) -> FormDecision:
     """Decide the form of one boundary whose forward is described by ``facts``."""
     check_implemented(contract.pattern, contract)
+    if contract.region is not None:
+        raise PlanError(
+            f"{contract.pattern}.region: kind {contract.region.kind!r} replaces the module's compute at run time "
+            "(runtime/ep), so its class is not rewritten from source; add \"skip_source_lowering\": true to the "
+            "boundary (Plan.auto(ep=...) does)"
+        )
     axes = active_axes(mesh)
     in_ops, out_ops = _in_ops(contract, facts, axes), exit_ops(contract, axes)
     _check_inputs(contract, facts, in_ops)

@@ -19,6 +19,12 @@ Translation (layouts for ``[batch, seq, hidden]`` activations):
 - ``embedding_rowwise`` (and, as transformers does, the base model's ``embed_tokens`` when it is a
   plain ``nn.Embedding``): vocab-parallel embedding, ``weight: S(0)``, ``output: P(sum) -> R``.
 
+With ``ep > 1`` each config's ``base_model_ep_plan`` is read too: an ``ep_dispatch_experts``
+module (the experts) gets the region ``{"kind": "ep_dispatch"}`` (on its experts-TP contract when
+the TP plan has one, else on a contract of its own with replicated inputs and output), and each
+``grouped_gemm`` parameter under it ``S(0)`` on ``ep`` (the expert dim; ``ep`` is cut before
+``tp``). The plan's ``colwise``/``rowwise`` entries are the TP plan's and are read from it.
+
 Everything else raises a :class:`PlanError` naming the module, the plan's owner, the key and the
 string, and pointing at an explicit JSON plan.
 """
@@ -40,6 +46,10 @@ GROUPED = frozenset({"colwise", "packed_colwise", "rowwise", "replicated_with_gr
 LEAF = frozenset({"colwise_gather_output", "rowwise_split_input"})
 MOE = "moe_tp_experts"
 SUPPORTED = GROUPED | LEAF | {"embedding_rowwise", MOE}
+EP_PLAN = "base_model_ep_plan"
+EP_DISPATCH, EP_PARAM = "ep_dispatch_experts", "grouped_gemm"
+EP_TP_ENTRIES = frozenset({"colwise", "packed_colwise", "rowwise"})
+"""Entries some ep plans repeat from the TP plan (a dense MLP beside the experts): read from the TP plan."""
 LINEAR = "torch.nn.Linear"
 EMBEDDING = "torch.nn.Embedding"
 
@@ -69,8 +79,12 @@ def auto_parts(module_name: str, source: str, flags: AutoFlags) -> tuple[tuple[C
         return None
     rules = [r for name, plan in plans for r in base_rules(facts, name, plan)]
     rules += head_rules(facts)
+    ep_rules = []
+    if flags.ep > 1:
+        ep_rules = [r for name, plan in config_plans(module_name, facts, EP_PLAN)
+                    for r in base_rules(facts, name, plan, EP_PLAN)]
     builder = _Builder(facts, flags)
-    return builder.build(rules), dict(builder.classes)
+    return builder.build(rules, ep_rules), dict(builder.classes)
 
 
 class _Builder:
@@ -79,14 +93,15 @@ class _Builder:
         self.classes: dict[str, str] = {}  # pattern -> class, where its slot holds several classes
         self.moe: set[tuple[str, str]] = set()  # (base, key) of moe_tp_experts modules
         self.facts = facts
-        self.mesh = {"tp": flags.tp, **({"cp": flags.cp} if flags.cp > 1 else {})}
+        self.mesh = {"tp": flags.tp, **({"cp": flags.cp} if flags.cp > 1 else {}),
+                     **({"ep": flags.ep} if flags.ep > 1 else {})}
         self.inner = {"call": "attention", "kind": CP_MODES[flags.cp_mode]} if flags.cp > 1 else None
         self.sp = flags.sequence_parallel
         self.loss_parallel = flags.loss_parallel
         self.bodies: dict[str, tuple[dict, str]] = {}
 
-    def build(self, rules: list[Rule]) -> tuple[Contract, ...]:
-        if self.mesh["tp"] == 1 and self.inner is not None:
+    def build(self, rules: list[Rule], ep_rules: list[Rule] | None = None) -> tuple[Contract, ...]:
+        if self.mesh["tp"] == 1 and self.inner is not None and not ep_rules:
             # context parallel alone shards nothing over tp: the TP plan only locates the attention
             # modules, and strings Plan.auto cannot translate for tp do not matter
             self._attention_only(rules)
@@ -113,6 +128,7 @@ class _Builder:
             self._implicit_embeddings(rules)
         if self.inner is not None:
             self._attention_only(rules)
+        self._expert_parallel(ep_rules or [])
         self._check_nesting()
         if self.sp:
             self._containers(grouped, boundaries, rules)
@@ -334,6 +350,41 @@ class _Builder:
         return forward is not None and any(
             isinstance(node, ast.Name) and node.id == "ALL_ATTENTION_FUNCTIONS" for node in ast.walk(forward)
         )
+
+    def _expert_parallel(self, rules: list[Rule]) -> None:
+        """The ``ep_dispatch`` region on every ``ep_dispatch_experts`` module, its ``grouped_gemm``
+        parameters ``S(0)`` on ``ep``."""
+        experts = [r for r in rules if r.style == EP_DISPATCH]
+        for rule in rules:
+            if rule.style == EP_PARAM:
+                if not any(e.base == rule.base and rule.key.startswith(e.key + ".") for e in experts):
+                    self._fail(rule, f"is not under a module the plan marks {EP_DISPATCH!r}")
+            elif rule.style != EP_DISPATCH and rule.style not in EP_TP_ENTRIES:
+                self._fail(rule, f"is not an entry expert parallel places (it handles {EP_DISPATCH!r} modules and "
+                           f"their {EP_PARAM!r} parameters)")
+        for rule in experts:
+            name = self._class_of(rule, rule.key)
+            known = self.bodies.get(rule.pattern)
+            body = dict(known[0]) if known is not None else self._ep_body(rule, name)
+            params = {k: dict(v) for k, v in body.get("params", {}).items()}
+            mine = [r for r in rules
+                    if r.style == EP_PARAM and r.base == rule.base and r.key.startswith(rule.key + ".")]
+            if not mine:
+                self._fail(rule, f"has no {EP_PARAM!r} expert parameters under it to cut over ep")
+            for param in mine:
+                rel = param.key[len(rule.key) + 1 :]
+                params[rel] = {**params.get(rel, {}), "ep": "S(0)"}
+            body.update(params=params, region={"kind": "ep_dispatch"}, skip_source_lowering=True)
+            self.bodies[rule.pattern] = (body, known[1] if known is not None else rule.owner)
+
+    def _ep_body(self, rule: Rule, name: str) -> dict:
+        """Experts the TP plan does not shard: every tp rank dispatches the same (replicated) tokens."""
+        forward = self.facts.forward(name)
+        inputs = forward_params(forward) if forward is not None else []
+        if not inputs:
+            self._fail(rule, f"needs the forward parameters of the experts class {name!r}")
+        return {"in_src": {x: {"tp": "R"} for x in inputs}, "in_dst": {x: {"tp": "R"} for x in inputs},
+                "out_src": {"output": {"tp": "R"}}, "out_dst": {"output": {"tp": "R"}}, "params": {}}
 
     def _check_nesting(self) -> None:
         patterns = sorted(self.bodies)

@@ -34,7 +34,11 @@ class Rule:
         return self.prefix + self.key
 
 
-def config_plans(module_name: str, facts: ModuleFacts) -> list[tuple[str, dict[str, object]]]:
+def config_plans(
+    module_name: str, facts: ModuleFacts, attr: str = "base_model_tp_plan"
+) -> list[tuple[str, dict[str, object]]]:
+    """``(config class, plan)`` for each config class of the module declaring ``attr``
+    (``base_model_tp_plan``, or ``base_model_ep_plan`` for expert parallel)."""
     package, _, leaf = module_name.rpartition(".")
     names = sorted({v.rpartition(".")[0] for v in facts.imports.values() if v.startswith(package + ".configuration_")})
     names = names or [f"{package}.configuration_{leaf[len('modeling_'):]}"]
@@ -48,7 +52,7 @@ def config_plans(module_name: str, facts: ModuleFacts) -> list[tuple[str, dict[s
                 f"install what it needs, or {FIX}"
             ) from exc
         for cls_name, obj in vars(config_module).items():
-            plan = getattr(obj, "base_model_tp_plan", None) if isinstance(obj, type) else None
+            plan = getattr(obj, attr, None) if isinstance(obj, type) else None
             if getattr(obj, "__module__", None) == name and isinstance(plan, dict) and plan:
                 found.append((cls_name, dict(plan)))
     return found
@@ -59,8 +63,10 @@ def _resolves(facts: ModuleFacts, start: str, key: str) -> bool:
     return bool(facts.resolve(start, key) or (parent and facts.resolve(start, parent)))
 
 
-def base_rules(facts: ModuleFacts, config: str, plan: dict[str, object]) -> list[Rule]:
-    owner = f"{config}.base_model_tp_plan"
+def base_rules(
+    facts: ModuleFacts, config: str, plan: dict[str, object], attr: str = "base_model_tp_plan"
+) -> list[Rule]:
+    owner = f"{config}.{attr}"
     roots = set(facts.pretrained_roots())
     scored = []
     for name, cls in facts.classes.items():

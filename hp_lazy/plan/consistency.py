@@ -96,6 +96,8 @@ def check_contract(contract: Contract, cls: str, mesh: Mapping[str, int]) -> Non
 
 def _sharding_axes(contract: Contract, mesh: Mapping[str, int]) -> list[str]:
     axes = {a for spec in contract.params.values() for a, p in spec.items() if isinstance(p, Shard)}
+    if contract.region is not None and contract.region.kind == "ep_dispatch":
+        axes.discard("ep")  # the region moves the tokens over ep itself (runtime/ep/dispatch.py)
     return sorted(a for a in axes if mesh.get(a, 0) != 1)
 
 

@@ -40,8 +40,8 @@ INNER_KINDS: Mapping[str, str] = MappingProxyType(
     {"cp_allgather_kv": "context parallel", "cp_ulysses": "context parallel"}
 )
 REGION_KINDS: Mapping[str, str] = MappingProxyType({"ep_dispatch": "expert parallel"})
-IMPLEMENTED: frozenset[str] = frozenset({"cp_allgather_kv", "cp_ulysses"})
-"""Inner-op and region kinds hp_lazy lowers and runs (``ep_dispatch`` is not yet)."""
+IMPLEMENTED: frozenset[str] = frozenset({"cp_allgather_kv", "cp_ulysses", "ep_dispatch"})
+"""Inner-op and region kinds hp_lazy lowers and runs."""
 CP_MODES: Mapping[str, str] = MappingProxyType({"allgather": "cp_allgather_kv", "ulysses": "cp_ulysses"})
 """``Plan.auto(cp_mode=...)`` -> the inner-op kind it puts on attention boundaries."""
 
@@ -120,7 +120,7 @@ class Contract:
     inner: InnerOp | None = None
     """An op at the attention call inside the body (context parallel); refused until implemented."""
     region: Region | None = None
-    """A region replacing the module's compute (expert parallel); refused until implemented."""
+    """A region replacing the module's compute (expert parallel: :mod:`hp_lazy.runtime.ep`)."""
 
     def __post_init__(self) -> None:
         for name in ("in_src", "in_dst", "out_src", "out_dst", "params"):
@@ -185,11 +185,15 @@ class AutoFlags:
     cp: int = 1
     """Context-parallel degree: attention boundaries get the inner op of ``cp_mode``."""
     cp_mode: str = "allgather"
+    ep: int = 1
+    """Expert-parallel degree (carved out of dp * cp): experts modules get the ``ep_dispatch`` region."""
 
     def to_dict(self) -> dict[str, object]:
         out = asdict(self)
         if self.cp == 1:  # plans without cp keep the JSON (and hash) they always had
             del out["cp"], out["cp_mode"]
+        if self.ep == 1:  # likewise without ep
+            del out["ep"]
         return out
 
 

@@ -50,7 +50,7 @@ CONTRACT_KEYS = (
 )
 INNER_KEYS = ("call", "kind")
 REGION_KEYS = ("kind",)
-AUTO_KEYS = ("tp", "sequence_parallel", "loss_parallel", "vocab_parallel_embedding", "cp", "cp_mode")
+AUTO_KEYS = ("tp", "sequence_parallel", "loss_parallel", "vocab_parallel_embedding", "cp", "cp_mode", "ep")
 AUTO_MODULES = ("transformers.models.*.modeling_*",)
 MAX_NAME_CHARS = 256
 """The longest name (pattern, param, input, module, class) a plan may hold."""
@@ -238,6 +238,11 @@ def contract_from_dict(pattern: str, data: object, mesh: Mapping[str, int]) -> C
             f"{where}.inner: kind {contract.inner.kind!r} splits the sequence over the cp axis, but plan.mesh "
             f"{dict(mesh)} has no cp above 1; add \"cp\": N to plan.mesh or remove the inner op"
         )
+    if contract.region is not None and mesh.get("ep", 1) < 2:
+        raise PlanError(
+            f"{where}.region: kind {contract.region.kind!r} sends tokens over the ep axis, but plan.mesh {dict(mesh)} "
+            "has no ep above 1; add \"ep\": N to plan.mesh or remove the region"
+        )
     return contract
 
 
@@ -324,7 +329,13 @@ def parse_auto(data: object) -> AutoFlags:
             f"plan.auto: cp={cp} together with sequence_parallel is not supported yet (the sequence would be cut "
             "twice); use tp with cp and sequence_parallel=False"
         )
-    return AutoFlags(tp=tp, **flags, cp=cp, cp_mode=mode)
+    ep = check_degree("plan.auto.ep", body.get("ep", 1), "ep=2")
+    if ep > 1 and flags["sequence_parallel"]:
+        raise PlanError(
+            f"plan.auto: ep={ep} together with sequence_parallel is not supported yet (the MoE block would see "
+            "sequence-sharded tokens replicated experts-TP does not expect); use ep with sequence_parallel=False"
+        )
+    return AutoFlags(tp=tp, **flags, cp=cp, cp_mode=mode, ep=ep)
 
 
 def _refuse_injections(body: Mapping[str, Any]) -> None:
@@ -338,7 +349,7 @@ def _refuse_injections(body: Mapping[str, Any]) -> None:
 
 
 def _auto_mesh(auto: AutoFlags) -> dict[str, int]:
-    return {"tp": auto.tp, **({"cp": auto.cp} if auto.cp > 1 else {})}
+    return {"tp": auto.tp, **({"cp": auto.cp} if auto.cp > 1 else {}), **({"ep": auto.ep} if auto.ep > 1 else {})}
 
 
 def plan_fields(data: object) -> PlanFields:
@@ -355,6 +366,8 @@ def plan_fields(data: object) -> PlanFields:
         raise PlanError(f"plan.mesh: tp={mesh.get('tp')!r} differs from plan.auto.tp={auto.tp}; make them equal")
     if auto is not None and mesh.get("cp", 1) != auto.cp:
         raise PlanError(f"plan.mesh: cp={mesh.get('cp', 1)!r} differs from plan.auto.cp={auto.cp}; make them equal")
+    if auto is not None and mesh.get("ep", 1) != auto.ep:
+        raise PlanError(f"plan.mesh: ep={mesh.get('ep', 1)!r} differs from plan.auto.ep={auto.ep}; make them equal")
     modules = _parse_modules(body.get("modules", list(AUTO_MODULES) if auto else None))
     raw = body.get("boundaries", {})
     if not isinstance(raw, Mapping):

@@ -57,7 +57,7 @@ class Plan:
     @classmethod
     def auto(
         cls, tp: int = 2, sequence_parallel: bool = False, loss_parallel: bool = False,
-        vocab_parallel_embedding: bool = True, cp: int = 1, cp_mode: str = "allgather",
+        vocab_parallel_embedding: bool = True, cp: int = 1, cp_mode: str = "allgather", ep: int = 1,
     ) -> Plan:
         """Contracts derived from transformers' own ``base_model_tp_plan`` (and the model classes'
         ``_tp_plan``) when each ``transformers.models.<x>.modeling_<x>`` is imported.
@@ -68,11 +68,16 @@ class Plan:
         sharded lm_head.
         ``cp``: context-parallel degree (the sequence split over ``cp`` ranks; world = dp * cp * tp);
         every attention boundary gets the inner op of ``cp_mode`` (``"allgather"``: K/V all-gathered).
+        ``ep``: expert-parallel degree, carved out of the ranks that hold different tokens (``ep``
+        divides ``dp * cp``): each config's ``base_model_ep_plan`` names the experts modules, which
+        get the ``ep_dispatch`` region, their expert weights cut ``S(0)`` on ``ep``.
         """
         flags: dict[str, Any] = {"tp": tp, "sequence_parallel": sequence_parallel, "loss_parallel": loss_parallel,
                                  "vocab_parallel_embedding": vocab_parallel_embedding}
         if cp != 1 or cp_mode != "allgather":
             flags.update(cp=cp, cp_mode=cp_mode)
+        if ep != 1:
+            flags["ep"] = ep
         return cls.from_dict({"version": 1, "auto": flags})
 
     def to_dict(self) -> dict[str, Any]:

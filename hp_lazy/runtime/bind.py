@@ -34,6 +34,7 @@ from hp_lazy.plan.placement import Partial, Shard
 from hp_lazy.runtime import adapters, clip, inputs, leaves, options, registry
 from hp_lazy.runtime.binding import Binding, compile_ops
 from hp_lazy.runtime.cp.style import ContextParallelStyle
+from hp_lazy.runtime.ep.style import ExpertParallelStyle
 from hp_lazy.runtime.grads import GradOwner, rules_for
 from hp_lazy.runtime.layout import LayoutTable, ParamLayout, plan_layout, shard_in_place
 from hp_lazy.runtime.mesh import Mesh, get_mesh
@@ -49,7 +50,7 @@ from hp_lazy.runtime.tp.style import TensorParallelStyle
 
 __all__ = ["STYLES", "parallelize", "refresh"]
 
-STYLES: dict[str, type] = {"tp": TensorParallelStyle, "cp": ContextParallelStyle}
+STYLES: dict[str, type] = {"tp": TensorParallelStyle, "cp": ContextParallelStyle, "ep": ExpertParallelStyle}
 """Mesh axis -> its parallelism's style (a new parallelism adds its room and one entry here)."""
 
 

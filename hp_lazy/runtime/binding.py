@@ -42,6 +42,8 @@ def compile_ops(contract: Contract, groups: Mapping[str, Group], *, entry: bool)
     the lowerer's own op chains (:func:`~hp_lazy.plan.transitions.entry_ops` / ``exit_ops``), bound
     to this rank's groups."""
     axes = tuple(axis for axis in AXES if axis in groups and groups[axis].size > 1)
+    if contract.region is not None and contract.region.kind == "ep_dispatch":  # the region moves tokens over ep
+        axes = tuple(axis for axis in axes if axis != "ep")
     found = entry_ops(contract, axes) if entry else exit_ops(contract, axes)
     chains: dict[Any, list[TensorOp]] = {}
     for bound in found:

@@ -14,6 +14,12 @@ Rules, per parameter (a :class:`GradRule`; the styles say which parameters are p
   part of the batch every gradient equals one process's gradient of the mean loss over the
   concatenated global batch. A partial sum over tp and the dp average are one all-reduce over the
   ``dp x tp`` ranks, divided by dp.
+- an expert shard under expert parallel (the ep style marks it partial over ``"edp"``): its local
+  gradient already sums the contributions of every token of its ep group (the all-to-all's
+  backward brought them), so it is summed over the expert-data-parallel ranks only (those
+  holding the same slice, ``dp * cp / ep``) and divided by dp like every dense gradient, which
+  makes it one process's gradient over the concatenated global batch. Expert parallel needs
+  hp_lazy to own dp (``data_parallel=True``): DDP would average it over every dp rank.
 
 When (:class:`BucketReducer`, hp_lazy owns every reduction): parameters are grouped into buckets
 per (group, dtype, device), in reverse registration order (about the order backward produces
@@ -49,7 +55,7 @@ from torch.nn.parallel import DistributedDataParallel
 from hp_lazy.errors import ShardingError
 from hp_lazy.names import GRADS_ATTR
 from hp_lazy.runtime.comm import wire
-from hp_lazy.runtime.mesh import Group, Mesh
+from hp_lazy.runtime.mesh import EDP, Group, Mesh
 
 __all__ = ["GradOwner", "GradRule", "no_sync"]
 
@@ -388,7 +394,14 @@ def rules_for(
 ) -> dict[str, GradRule]:
     """Every trainable parameter's rule: ``partial`` maps FQN -> (axis, slots, slot) for the
     parameters whose gradient is a partial sum over an axis (from the styles); dp averaging is
-    added to every parameter when hp_lazy owns dp, and a sum over cp under context parallel."""
+    added to every parameter when hp_lazy owns dp, and a sum over cp under context parallel;
+    expert shards (axis ``"edp"``) are summed over the ranks holding the same slice only."""
+    if mesh.ep > 1 and not data_parallel:
+        raise ShardingError(
+            f"hp_lazy: expert parallel (ep={mesh.ep}) with data_parallel=False: torch DDP or FSDP2 would average "
+            "the expert shards over every dp rank, but each is held by only the ranks of its expert-data-parallel "
+            "group; activate with data_parallel=True (hp_lazy then reduces every gradient)"
+        )
     dp = mesh.degree("dp") if data_parallel else 1
     rules: dict[str, GradRule] = {}
     for fqn, param in root.named_parameters():
@@ -398,6 +411,10 @@ def rules_for(
         if mesh.degree("cp") > 1:  # each cp rank's backward gives its own tokens' part: summed
             axes = (*axes, "cp")
         slots, slot = 1, 0
+        if partial.get(fqn, ("",))[0] == EDP:
+            if mesh.degree("dp") * mesh.degree("cp") > mesh.ep or dp > 1:  # edp ranks, or the dp mean
+                rules[fqn] = GradRule(axes=(EDP,), average=dp)
+            continue
         if fqn in partial:
             axis, slots, slot = partial[fqn]
             axes = (*axes, axis)

@@ -8,7 +8,9 @@ consecutive ranks, and ``dp`` is whatever the other degrees leave (``dp = world 
 different tokens (``dp * cp``, as in torchtitan and Megatron), so ``ep`` must divide ``dp * cp``;
 the ep group of a rank is its run of ``ep`` consecutive ranks among those with its tp rank.
 :meth:`Mesh.group_of` gives the group spanning several axes at once (the gradient owner sums a
-partial gradient over ``("dp", "tp")`` in one all-reduce).
+partial gradient over ``("dp", "tp")`` in one all-reduce), and ``group_of(("edp",))`` the
+expert-data-parallel group: the ranks holding the same expert slice (one per ep group, the same
+tp rank; ``dp * cp / ep`` of them), over which expert gradients are summed.
 
 Building a mesh is a collective (it creates one process group per axis): every rank must call
 :func:`get_mesh` with the same degrees, in the same order relative to other collectives. At world
@@ -42,6 +44,8 @@ AXES: tuple[str, ...] = ("dp", "cp", "ep", "tp")
 """Plan axes, in the plan's order."""
 WORLD_AXES: tuple[str, ...] = ("dp", "cp", "tp")
 """The axes that factor the world, outermost first (the device mesh dims)."""
+EDP = "edp"
+"""The expert-data-parallel group's name (:meth:`Mesh.group_of`)."""
 
 _ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 TIMEOUT_ENV = "HP_LAZY_PG_TIMEOUT_S"
@@ -209,6 +213,11 @@ class Mesh:
         backward collectives of the same ranks). Building one is a collective the first time:
         every rank must ask for the same ``axes`` in the same order.
         """
+        if axes == (EDP,):
+            if self.device_mesh is None or self.ep == 1 or len(self._edp_runs()[0]) == 1:
+                return Group.solo(EDP)
+            return self._enumerated((EDP, "dedicated") if dedicated else (EDP,), self._edp_runs(),
+                                    reuse_world=not dedicated)
         used = tuple(a for a in WORLD_AXES if a in axes and self.degree(a) > 1)
         unknown = [a for a in axes if a not in WORLD_AXES]
         if unknown:
@@ -234,6 +243,12 @@ class Mesh:
         token_axes = tuple(a for a in ("dp", "cp") if self.degree(a) > 1)
         runs = self._runs(token_axes) if len(token_axes) > 1 else self._axis_runs(token_axes[0])
         return [run[i : i + self.ep] for run in runs for i in range(0, len(run), self.ep)]
+
+    def _edp_runs(self) -> list[list[int]]:
+        """Per tp rank, the token ranks at the same position of their ep run (same expert slice)."""
+        token_axes = tuple(a for a in ("dp", "cp") if self.degree(a) > 1)
+        runs = self._runs(token_axes) if len(token_axes) > 1 else self._axis_runs(token_axes[0])
+        return [run[j :: self.ep] for run in runs for j in range(self.ep)]
 
     def _axis_runs(self, axis: str) -> list[list[int]]:
         return self._runs((axis,)) if self.device_mesh is not None else []

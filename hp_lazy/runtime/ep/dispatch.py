@@ -1,0 +1,96 @@
+"""The ``ep_dispatch`` region: an experts module's forward with its experts split over ``ep`` ranks.
+
+It replaces ``experts.forward(hidden[T,H], top_k_index[T,K], top_k_weights[T,K])`` on the
+instance (the class's own forward, which transformers' experts decorator dispatches to its
+eager / grouped_mm / batched_mm kernels, runs on the local experts). Rank ``r`` of ``P`` holds
+the global experts ``[r*El, (r+1)*El)``. Per call, with ``N = T*K`` (token, slot) pairs:
+
+1. a stable argsort of the pairs by expert (so by owner rank); the rows ``x[order // K]``;
+2. the per-expert counts ``[P, El]`` exchanged in one small all-to-all (no autograd) and read to
+   the host once (the only host sync of the layer);
+3. a variable-split all-to-all of the rows (:func:`~hp_lazy.runtime.comm.all_to_all_v`, whose
+   backward sends the gradient rows back along the same routes);
+4. the received rows, sorted by local expert, through the class's own forward with local
+   expert ids and unit weights (top-1), then back in arrival order;
+5. the reverse all-to-all; the routing weights applied here, on the sender, and the top-k
+   slots summed (so the router's gradient stays local and exact).
+
+Dropless, no sentinel rows. Every rank issues every collective whatever the counts, and the
+output is kept connected to the received rows and to every expert parameter (``+ 0 * sum``):
+a rank that receives no rows still runs the backward all-to-all its peers wait for, and its
+experts get zero gradients rather than ``None`` (weight decay still applies to them).
+Collectives per layer: forward 3 all-to-alls (counts, rows, rows back), backward 2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from hp_lazy.names import EP_DISPATCH
+from hp_lazy.runtime.comm import all_to_all_v, wire
+from hp_lazy.runtime.mesh import Group
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    _Module = nn.Module
+else:
+    _Module = object
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """What the region of one experts module needs: the ep group and the expert counts."""
+
+    group: Group
+    num_local: int
+    num_global: int
+
+
+class ExpertDispatch(_Module):
+    """Mixin in front of an experts class: ``forward`` is the region (the module docstring)."""
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> Any:
+        spec: Dispatch = getattr(self, EP_DISPATCH)
+        return dispatch(self, super().forward, spec, hidden_states, top_k_index, top_k_weights)
+
+
+def connect(out: torch.Tensor, rows: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
+    """``out`` plus an exact zero that depends on ``rows`` and on every expert parameter."""
+    zero = rows.sum() * 0.0
+    for param in params:
+        zero = zero + param.sum() * 0.0
+    return out + zero.to(out.dtype)
+
+
+def dispatch(
+    module: Any, experts_forward: Any, spec: Dispatch, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor
+) -> torch.Tensor:
+    group, local = spec.group, spec.num_local
+    tokens, k = idx.shape
+    flat = idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    send = x[order // k]
+    counts = torch.bincount(flat, minlength=spec.num_global).view(group.size, local)
+    got = wire.all_to_all_v(counts.reshape(-1), group, [local] * group.size, [local] * group.size, "forward")
+    got = got.view(group.size, local)
+    send_splits, recv_splits = torch.stack([counts.sum(1), got.sum(1)]).tolist()  # the one host sync
+    recv = all_to_all_v(send, group, send_splits, recv_splits)
+    ids = torch.arange(local, device=idx.device).repeat(group.size).repeat_interleave(got.reshape(-1))
+    by_expert = torch.argsort(ids, stable=True)
+    rows = recv[by_expert]
+    out = experts_forward(rows, ids[by_expert][:, None], rows.new_ones(rows.shape[0], 1))
+    out = connect(out, rows, [p for p in module.parameters()])
+    out = out[_inverse(by_expert)]  # back in arrival order (source rank, local expert)
+    back = all_to_all_v(out, group, recv_splits, send_splits)
+    pairs = back[_inverse(order)].view(tokens, k, -1)
+    return (pairs * w.unsqueeze(-1).to(pairs.dtype)).sum(1)
+
+
+def _inverse(perm: torch.Tensor) -> torch.Tensor:
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.numel(), device=perm.device)
+    return inv

@@ -1,0 +1,163 @@
+"""Expert parallel's style: each experts module's experts split over the ``ep`` ranks.
+
+The ep group is carved out of the ranks that hold different tokens (``dp * cp``,
+:mod:`hp_lazy.runtime.mesh`); each feeds its own rows. Bound per model (the walker calls it like
+every style, :mod:`hp_lazy.runtime.style`):
+
+- ``validate``: a contract that cuts parameters on ``ep`` must carry the region
+  ``{"kind": "ep_dispatch"}`` and sit on a transformers experts module (``num_experts``, the
+  forward ``(hidden_states, top_k_index, top_k_weights)``) whose every parameter the plan cuts on
+  ``ep`` and whose expert count ``ep`` divides; capacity / token-dropping configs are refused
+  (the region is dropless, so it would not be their model);
+- ``after_partition``: ``num_experts`` becomes the local count (the class's own kernels index
+  the local slice with local ids);
+- ``attach``: the region (:mod:`.dispatch`) in front of the class's own forward, inside the
+  contract's entry/exit ops (with tp the experts are also cut on tp: each tp rank dispatches the
+  same tokens over its ep group, computes its tp slice of its experts, and the exit all-reduce
+  over tp sums the slices, as experts-TP does);
+- ``gradients``: the expert shards' gradients are summed over the expert-data-parallel ranks only
+  (:func:`hp_lazy.runtime.grads.rules_for`); the router and shared experts stay replicated and
+  are averaged over dp like every dense parameter;
+- ``finish``: the load-balancing aux loss (``output_router_logits``) is made global
+  (:mod:`.aux`: the modeling module's ``load_balancing_loss_func`` is replaced); where it cannot
+  be (a non-standard function, or context parallel, which refuses router logits itself) it is
+  refused: computed from this rank's router logits it is not one process's.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from typing import Any
+
+from torch import nn
+
+from hp_lazy.errors import ShardingError
+from hp_lazy.names import EP_DISPATCH
+from hp_lazy.plan.model import Contract
+from hp_lazy.plan.placement import Shard
+from hp_lazy.runtime import leaves
+from hp_lazy.runtime.binding import Binding
+from hp_lazy.runtime.ep import aux
+from hp_lazy.runtime.ep.dispatch import Dispatch, ExpertDispatch
+from hp_lazy.runtime.mesh import EDP
+from hp_lazy.runtime.style import BindContext, params_matching
+
+FORWARD = ("hidden_states", "top_k_index", "top_k_weights")
+_DROPPING = ("capacity", "drop_tokens", "token_drop")
+"""Config attribute names (substrings) of capacity-factor / token-dropping routers."""
+
+
+def _is_region(contract: Contract) -> bool:
+    return contract.region is not None and contract.region.kind == "ep_dispatch"
+
+
+class ExpertParallelStyle:
+    axis = "ep"
+
+    def __init__(self) -> None:
+        self.experts: list[tuple[str, nn.Module]] = []
+
+    def validate(self, fqn: str, module: nn.Module, contract: Contract, ctx: BindContext) -> None:
+        cut = sorted(name for name, axes in contract.params.items() if isinstance(axes.get("ep"), Shard))
+        if not _is_region(contract):
+            if cut:
+                raise ShardingError(
+                    f"{fqn}: the plan cuts {cut} on ep but gives the module no \"region\": {{\"kind\": "
+                    "\"ep_dispatch\"}}, so its forward would run on a slice of the experts with global expert "
+                    "ids; add the region, or use Plan.auto(ep=...)"
+                )
+            return
+        family = type(ctx.root).__qualname__
+        ep = ctx.groups["ep"].size
+        total = getattr(module, "num_experts", None)
+        if not isinstance(total, int) or isinstance(total, bool):
+            raise ShardingError(
+                f"{fqn} ({family}): the ep_dispatch region needs a transformers experts module with an integer "
+                f"num_experts, found {type(module).__qualname__} with num_experts={total!r}; leave it out of ep"
+            )
+        if total % ep:
+            raise ShardingError(
+                f"{fqn} ({family}): num_experts={total} is not divisible by ep={ep}; use an ep that divides "
+                f"{total} (one of {[d for d in range(1, total + 1) if total % d == 0]})"
+            )
+        names = list(inspect.signature(type(module).forward).parameters)[1:4]
+        if tuple(names) != FORWARD:
+            raise ShardingError(
+                f"{fqn} ({family}): the ep_dispatch region replaces a forward{FORWARD}, but "
+                f"{type(module).__qualname__}.forward takes {tuple(names)}; leave these experts out of ep"
+            )
+        planned = {id(p) for name in cut for _, p in params_matching(module, name)}
+        replicated = [n for n, p in module.named_parameters() if id(p) not in planned]
+        if replicated:
+            raise ShardingError(
+                f"{fqn} ({family}): its parameters {replicated} are not cut on ep (the plan cuts {cut}); the local "
+                "experts would use them replicated, with gradients from this rank's ep group only; cut every "
+                "expert parameter S(0) on ep, or leave these experts out of ep"
+            )
+        config = getattr(module, "config", None) or getattr(ctx.root, "config", None)
+        for attr, value in sorted(vars(config).items()) if config is not None else ():
+            if any(word in attr for word in _DROPPING) and value not in (None, False, 0, 0.0):
+                raise ShardingError(
+                    f"{fqn} ({family}): config.{attr}={value!r} drops tokens beyond an expert capacity, but the "
+                    "ep_dispatch region is dropless (equal to one process only without dropping); set "
+                    f"{attr} to None/0 or train without ep"
+                )
+
+    def replicas(self, fqn: str, module: nn.Module, contract: Contract, ctx: BindContext) -> dict[str, int]:
+        return {}
+
+    def after_partition(
+        self, fqn: str, module: nn.Module, contract: Contract, ctx: BindContext, replicas: dict[str, int]
+    ) -> None:
+        if not _is_region(contract):
+            return
+        total: int = module.num_experts  # type: ignore[assignment]
+        group = ctx.groups["ep"]
+        module.__dict__[EP_DISPATCH] = Dispatch(group=group, num_local=total // group.size, num_global=total)
+        setattr(module, "num_experts", total // group.size)  # the class's kernels see the local experts only
+        self.experts.append((fqn, module))
+
+    def attach(self, fqn: str, module: nn.Module, binding: Binding, ctx: BindContext) -> bool:
+        if not _is_region(binding.contract):
+            return False
+        module.__class__ = leaves.subclass(type(module), ExpertDispatch)
+        leaves.wrap_forward(module, binding)
+        return True
+
+    def gradients(self, ctx: BindContext) -> None:
+        for _, module in self.experts:
+            for param in module.parameters():
+                ctx.add_partial(param, EDP)
+
+    def finish(self, ctx: BindContext) -> None:
+        if not self.experts:
+            return
+        family = type(ctx.root).__qualname__
+        module = sys.modules.get(type(ctx.root).__module__)
+        current = getattr(module, aux.NAME, None)
+        if getattr(current, "hp_original", None) is not None:
+            return  # made global by an earlier bind
+        if ctx.mesh.degree("cp") == 1 and current is not None and aux.replaceable(current):
+            setattr(module, aux.NAME, aux.global_load_balancing(ctx.mesh.group("dp"), current))
+            return
+        config = getattr(ctx.root, "config", None)
+        if getattr(config, "output_router_logits", False):
+            raise ShardingError(_AUX.format(family=family, where="config.output_router_logits=True"))
+        ctx.root.register_forward_pre_hook(_refuse_aux_loss(family), with_kwargs=True)
+
+
+_AUX = (
+    "{family}: {where} adds the load-balancing aux loss, which transformers computes from this rank's router "
+    "logits only, so under expert parallel it is not one process's aux loss over the global batch, and hp_lazy "
+    "cannot replace this module's load_balancing_loss_func (not the standard one, or under context parallel); set "
+    "output_router_logits=False"
+)
+
+
+def _refuse_aux_loss(family: str) -> Any:
+    def hook(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+        if kwargs.get("output_router_logits"):
+            raise ShardingError(_AUX.format(family=family, where="output_router_logits=True"))
+
+    return hook

@@ -1,0 +1,219 @@
+"""Expert-parallel runs shared by the ep test modules: every data-parallel rank feeds its own rows
+of the global batch; the reference is one process on the whole batch (plain transformers).
+
+The labels leave the same number of valid targets in every row, so the mean of the ranks' mean
+losses (DDP's convention, which hp_lazy's gradient owner follows) is the global mean.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import models
+
+IMPLS = ("grouped_mm", "eager", "batched_mm")
+
+
+def batch(rows: int = 2, seq: int = 16) -> dict[str, Any]:
+    ids = models.batch(batch_size=rows, seq=seq)
+    labels = ids.clone()
+    for r in range(rows):  # 4 ignored targets per row, in different places
+        start = (3 * r) % (seq - 5) + 1
+        labels[r, start : start + 4] = -100
+    return {"input_ids": ids, "labels": labels}
+
+
+def load(path: str, impl: str = "grouped_mm", config: dict[str, Any] | None = None):
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.AutoConfig.from_pretrained(path)
+    for key, value in (config or {}).items():
+        setattr(cfg, key, value)
+    return transformers.AutoModelForCausalLM.from_pretrained(path, config=cfg, dtype=torch.float32,
+                                                             experts_implementation=impl)
+
+
+def hole(path: str) -> str:
+    """The model with every router biased so that all tokens pick experts of the first half (rank 0's
+    at ep=2): a constant feature in the embeddings, read with opposite signs by the two halves."""
+    import os
+
+    import torch
+
+    out = path + "_hole"
+    if os.path.exists(os.path.join(out, "config.json")):
+        return out
+    model = load(path)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] = 10.0
+        for layer in model.model.layers:
+            gate = getattr(layer.mlp, "gate", None)
+            if gate is not None and getattr(gate, "weight", None) is not None and gate.weight.dim() == 2:
+                n = gate.weight.shape[0]
+                gate.weight[: n // 2, 0] = 5.0
+                gate.weight[n // 2 :, 0] = -5.0
+    model.save_pretrained(out)
+    return out
+
+
+def _routing(model) -> tuple[list, list]:
+    """Forward hooks recording every router's top-k expert indices."""
+    seen: list = []
+    handles = []
+    for name, module in model.named_modules():
+        if name.endswith("mlp.gate") and "shared" not in name:
+            handles.append(module.register_forward_hook(lambda m, a, out: seen.append(out[2].detach().clone())))
+    return seen, handles
+
+
+def run(model, data: dict[str, Any], *, steps: int = 3, rows=None, gather=None, mean=None, full_grads=None,
+        full_state_dict=None) -> dict[str, Any]:
+    """One fwd+bwd (logits, loss, grads, routing), then ``steps`` SGD steps with weight decay, on
+    ``data`` (the rows ``rows`` of it, when given)."""
+    import torch
+
+    mine = data if rows is None else {k: v[rows] for k, v in data.items()}
+    gather = gather or (lambda t: t)
+    mean = mean or (lambda t: t)
+    grads_of = full_grads or (lambda m: {n: p.grad.detach().clone() for n, p in m.named_parameters() if p.grad is not None})
+    state_of = full_state_dict or (lambda m: {k: v.detach().clone() for k, v in m.state_dict().items()})
+    seen, handles = _routing(model)
+    out = model(**mine)
+    for handle in handles:
+        handle.remove()
+    out.loss.backward()
+    rows_here = mine["input_ids"].shape[0]
+    routing = [gather(idx.view(rows_here, -1, idx.shape[-1])) for idx in seen]  # [B, S (local under cp), K]
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1e9)  # one process's norm, nothing clipped
+    result = {"logits": gather(out.logits.detach()), "loss": mean(out.loss.detach()), "grads": grads_of(model),
+              "routing": routing, "norm": norm.detach().clone()}
+    if getattr(out, "aux_loss", None) is not None:
+        result["aux"] = out.aux_loss.detach().clone()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, weight_decay=0.01)
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss = model(**mine).loss
+        loss.backward()
+        optimizer.step()
+        losses.append(mean(loss.detach()))
+    result["losses"] = torch.stack(losses)
+    result["state"] = state_of(model)
+    return result
+
+
+def reference(path: str, data: dict[str, Any], impl: str = "grouped_mm",
+              config: dict[str, Any] | None = None) -> dict[str, Any]:
+    return run(load(path, impl, config), data)
+
+
+def _dp_tools():
+    import torch
+    import torch.distributed as tdist
+
+    import hp_lazy
+
+    dp = hp_lazy.mesh().group("dp")
+
+    def gather(t):  # the whole sequence (cp), then every dp rank's rows
+        t = hp_lazy.gather_sequence(t)
+        if dp.size == 1:
+            return t
+        parts = [torch.empty_like(t) for _ in range(dp.size)]
+        tdist.all_gather(parts, t.contiguous(), group=dp.pg)
+        return torch.cat(parts)
+
+    def mean(t):
+        if dp.size == 1:
+            return t
+        t = t.clone()
+        tdist.all_reduce(t, group=dp.pg)
+        return t / dp.size
+
+    return dp, gather, mean
+
+
+def train(rank: int, world: int, path: str, data: dict[str, Any], impl: str = "grouped_mm",
+          grads: bool = True, config: dict[str, Any] | None = None, local_aux: bool = False) -> dict[str, Any]:
+    import sys
+
+    import hp_lazy
+
+    model = hp_lazy.parallelize(load(path, impl, config))
+    module = sys.modules[type(model).__module__]
+    original = getattr(module.load_balancing_loss_func, "hp_original", None)
+    if local_aux and original is not None:  # negative control: transformers' aux loss on this rank's rows
+        module.load_balancing_loss_func, restore = original, module.load_balancing_loss_func
+    dp, gather, mean = _dp_tools()
+    per = data["input_ids"].shape[0] // dp.size
+    result = run(model, data, rows=slice(dp.rank * per, (dp.rank + 1) * per), gather=gather, mean=mean,
+                 full_grads=hp_lazy.full_grads if grads else (lambda m: {}), full_state_dict=hp_lazy.full_state_dict)
+    if local_aux and original is not None:
+        module.load_balancing_loss_func = restore
+    result["local_experts"] = [m.num_experts for n, m in model.named_modules() if n.endswith("mlp.experts")]
+    keep = ("loss", "logits", "routing", "local_experts", "norm", "aux")
+    return result if rank == 0 else {k: result[k] for k in keep if k in result}
+
+
+def count(rank: int, world: int, path: str, data: dict[str, Any]) -> dict[str, dict[str, int]]:
+    import hp_lazy
+
+    model = hp_lazy.parallelize(load(path))
+    dp, _, _ = _dp_tools()
+    per = data["input_ids"].shape[0] // dp.size
+    mine = {k: v[dp.rank * per : (dp.rank + 1) * per] for k, v in data.items()}
+    with hp_lazy.collective_counter() as counter:
+        model(**mine).loss.backward()
+    return {phase: counter.by_phase(phase) for phase in ("forward", "backward")}
+
+
+def error(rank: int, world: int, path: str, data: dict[str, Any], **config_kw: Any) -> str:
+    """The error text a forward raises on this rank's row (``config_kw`` set on the config)."""
+    import torch
+    import transformers
+
+    try:
+        config = transformers.AutoConfig.from_pretrained(path)
+        for key, value in config_kw.items():
+            setattr(config, key, value)
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32)
+        model(**{k: v[rank : rank + 1] for k, v in data.items()})
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "ok"
+
+
+def disconnected(rank: int, world: int, path: str, data: dict[str, Any]) -> Any:
+    """Negative control: the zero-row guard removed (eager experts that receive no rows return a
+    fresh zeros tensor): the rank skips the backward all-to-alls its peer waits in."""
+    from hp_lazy.runtime.ep import dispatch
+
+    original = dispatch.connect
+    dispatch.connect = lambda out, rows, params: out
+    try:
+        return train(rank, world, path, data, impl="eager")["loss"]
+    finally:
+        dispatch.connect = original
+
+
+def unconnected_experts(rank: int, world: int, path: str, data: dict[str, Any]) -> dict[str, Any]:
+    """Negative control: the zero-row guard ties the output to the received rows only, not to the
+    expert parameters: a rank whose experts get no rows keeps ``grad = None`` for them, so SGD skips
+    their weight decay (only the parameters are compared: ``full_grads`` of a ``None`` gradient is
+    no collective on that rank)."""
+    from hp_lazy.runtime.ep import dispatch
+
+    original = dispatch.connect
+    dispatch.connect = lambda out, rows, params: original(out, rows, [])
+    try:
+        return train(rank, world, path, data, impl="eager", grads=False)
+    finally:
+        dispatch.connect = original
+
+
+def activate(rank: int, world: int, **degrees: int) -> None:
+    import hp_lazy
+
+    hp_lazy.activate("auto", **degrees)

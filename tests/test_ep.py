@@ -1,0 +1,131 @@
+"""Expert parallel at world 2 (ep=2, the two ranks data parallel, each holding half of every
+layer's experts and feeding its own row): one process's loss, logits, routing, every gradient
+(expert shards gathered by ``hp_lazy.full_grads``) and 3 SGD+weight-decay steps, for Qwen3-MoE
+(grouped_mm, eager, batched_mm) and Qwen2-MoE (shared expert); a router hole (every token routed
+to rank 0's experts); the collectives per layer; refusals."""
+
+from __future__ import annotations
+
+import epwork
+import models
+import parity
+import pytest
+from dist import DistPool, pool_fixture
+
+pool2 = pool_fixture(2, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def ready(pool2: DistPool, tmp_path_factory):
+    if getattr(pool2, "_hp_activated", None) is not pool2._procs or not pool2._procs:
+        pool2.run(epwork.activate, ep=2)
+        pool2._hp_activated = pool2._procs
+    return pool2, str(tmp_path_factory.mktemp("models"))
+
+
+def _check(pool, path: str, impl: str = "grouped_mm") -> dict[str, float]:
+    data = epwork.batch()
+    ref = epwork.reference(path, data, impl)
+    results = pool.run(epwork.train, path, data, impl)
+    for got in results:  # routing agreement, fp32: the same top-k experts for every token
+        assert len(got["routing"]) == len(ref["routing"]) > 0
+        for mine, theirs in zip(got["routing"], ref["routing"], strict=True):
+            assert (mine == theirs).all()
+        assert models.rel_err(got["loss"], ref["loss"]) <= parity.TOL
+        assert models.rel_err(got["logits"], ref["logits"]) <= parity.TOL
+        assert models.rel_err(got["norm"], ref["norm"]) <= parity.TOL  # clip_grad_norm_: one process's norm
+    return parity.compare(results[0], ref)
+
+
+@pytest.mark.parametrize(("name", "impl"), [("qwen3_moe", "grouped_mm"), ("qwen3_moe", "eager"),
+                                            ("qwen3_moe", "batched_mm"), ("qwen2_moe", "grouped_mm")])
+def test_ep_matches_one_process(ready, name: str, impl: str) -> None:
+    pool, root = ready
+    errors = _check(pool, models.build(name, root), impl)
+    assert max(errors.values()) <= parity.TOL
+
+
+@pytest.mark.parametrize("impl", ["eager", "grouped_mm"])
+def test_router_hole(ready, impl: str) -> None:
+    """Every token picks rank 0's experts: rank 1 receives no rows, its experts get zero gradients
+    (weight decay still applies), and nothing hangs."""
+    pool, root = ready
+    path = epwork.hole(models.build("qwen3_moe", root))
+    ref = epwork.reference(path, epwork.batch(), impl)
+    assert all((idx < 2).all() for idx in ref["routing"])  # the hole is there
+    _check(pool, path, impl)
+
+
+def test_expert_grads_left_none_fail_parity(ready) -> None:
+    """Negative control: rank 1's experts receive no rows; tied to the rows only, their gradients stay
+    None and weight decay skips them, so the parameters after 3 SGD+wd steps differ from one process's."""
+    pool, root = ready
+    path = epwork.hole(models.build("qwen3_moe", root))
+    ref = epwork.reference(path, epwork.batch(), "eager")
+    results = pool.run(epwork.unconnected_experts, path, epwork.batch())
+    for name in ("gate_up_proj", "down_proj"):
+        key = f"model.layers.1.mlp.experts.{name}"
+        assert models.rel_err(results[0]["state"][key], ref["state"][key]) > 1e-3  # measured 2.4e-3 / 3.0e-3 (every other parameter ~1e-7)
+
+
+def test_collectives_per_layer(ready) -> None:
+    pool, root = ready
+    counts = pool.run(epwork.count, models.build("qwen3_moe", root), epwork.batch())
+    moe_layers = 1  # layer 0 of the tiny Qwen3-MoE is dense
+    # per MoE layer: forward the counts and the rows there and back (3 all-to-alls), backward the
+    # rows back and there (2); gradients: one bucket averaged over dp (dense), one for the expert
+    # shards (edp = 1 rank here: divided by dp, nothing sent) and the loss's none
+    assert counts == [{"forward": {"all_to_all": 3 * moe_layers},
+                       "backward": {"all_to_all": 2 * moe_layers, "all_reduce": 1}}] * 2
+
+
+AUX = {"output_router_logits": True, "router_aux_loss_coef": 0.5}
+
+
+def test_aux_loss_is_global(ready) -> None:
+    """output_router_logits=True: the load-balancing aux loss over the global batch (its value in
+    out.aux_loss and out.loss on every rank, its gradient one process's)."""
+    pool, root = ready
+    path = models.build("qwen3_moe", root)
+    data = epwork.batch()
+    ref = epwork.reference(path, data, config=AUX)
+    results = pool.run(epwork.train, path, data, config=AUX)
+    for got in results:
+        assert models.rel_err(got["aux"], ref["aux"]) <= parity.TOL
+        assert models.rel_err(got["loss"], ref["loss"]) <= parity.TOL
+    parity.compare(results[0], ref)
+
+
+def test_local_aux_loss_fails_parity(ready) -> None:
+    """Negative control: transformers' aux loss on each rank's own router logits."""
+    pool, root = ready
+    path = models.build("qwen3_moe", root)
+    data = epwork.batch()
+    ref = epwork.reference(path, data, config=AUX)
+    results = pool.run(epwork.train, path, data, config=AUX, local_aux=True)
+    with pytest.raises(AssertionError, match=r"relative errors above .*'grad model.layers.1.mlp.gate.weight'"):
+        parity.compare(results[0], ref)
+
+
+def test_experts_not_divisible_by_ep_refused(ready) -> None:
+    pool, root = ready
+    out = pool.run(epwork.error, models.build("qwen3_moe3", root), epwork.batch())
+    assert all("model.layers.1.mlp.experts (Qwen3MoeForCausalLM): num_experts=3 is not divisible by ep=2; use an "
+               "ep that divides 3 (one of [1, 3])" in o for o in out), out
+
+
+def test_capacity_config_refused(ready) -> None:
+    pool, root = ready
+    out = pool.run(epwork.error, models.build("qwen3_moe", root), epwork.batch(), router_capacity_factor=1.25)
+    assert all("config.router_capacity_factor=1.25 drops tokens beyond an expert capacity, but the ep_dispatch "
+               "region is dropless" in o for o in out), out
+
+
+def test_ep_with_ddp_owning_dp_refused() -> None:
+    from hp_lazy.errors import ShardingError
+    from hp_lazy.runtime.grads import rules_for
+    from hp_lazy.runtime.mesh import Mesh
+
+    with pytest.raises(ShardingError, match=r"expert parallel \(ep=2\) with data_parallel=False: torch DDP or FSDP2 "
+                       r"would average the expert shards over every dp rank"):
+        rules_for(__import__("torch").nn.Linear(2, 2), {}, Mesh(shape=(("dp", 2),), world=2, ep=2), data_parallel=False)

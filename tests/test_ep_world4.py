@@ -1,0 +1,39 @@
+"""Expert parallel x tensor parallel at world 4 (ep=2, tp=2: dp=2, the ep group carved out of the
+two dp ranks of each tp rank). The experts are cut on ep and, inside each ep slice, on tp as
+experts-TP cuts them: each tp rank dispatches its dp rank's tokens over its ep group, computes
+its tp slice of its local experts, and the experts' exit all-reduce over tp sums the slices.
+One process's loss, logits, routing, every gradient and 3 SGD+wd steps."""
+
+from __future__ import annotations
+
+import epwork
+import models
+import parity
+import pytest
+from dist import DistPool, pool_fixture
+
+pool4 = pool_fixture(4, timeout=180)
+
+
+@pytest.fixture(scope="module")
+def ready(pool4: DistPool, tmp_path_factory):
+    if getattr(pool4, "_hp_activated", None) is not pool4._procs or not pool4._procs:
+        pool4.run(epwork.activate, ep=2, tp=2)
+        pool4._hp_activated = pool4._procs
+    return pool4, str(tmp_path_factory.mktemp("models"))
+
+
+@pytest.mark.parametrize(("name", "impl"), [("qwen3_moe8", "grouped_mm"), ("qwen2_moe", "eager")])
+def test_ep_tp_matches_one_process(ready, name: str, impl: str) -> None:
+    pool, root = ready
+    path = models.build(name, root)
+    data = epwork.batch()
+    ref = epwork.reference(path, data, impl)
+    results = pool.run(epwork.train, path, data, impl)
+    for got in results:
+        for mine, theirs in zip(got["routing"], ref["routing"], strict=True):
+            assert (mine == theirs).all()
+        assert models.rel_err(got["loss"], ref["loss"]) <= parity.TOL
+        assert models.rel_err(got["logits"], ref["logits"]) <= parity.TOL
+    assert results[0]["local_experts"] == [models.MORE_CONFIGS[name][1]["num_experts"] // 2] * len(ref["routing"])
+    parity.compare(results[0], ref)
