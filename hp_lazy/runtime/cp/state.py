@@ -49,8 +49,10 @@ class CallState:
         mask: torch.Tensor | None = None
         if causal:
             mask = k <= q
-        if window is not None:
+        if window is not None:  # transformers' attention-function convention: |q - k| < window
             near = k > q - window
+            if not causal:  # a bidirectional window reaches as far forward as back
+                near = near & (k < q + window)
             mask = near if mask is None else mask & near
         mask = None if mask is None else mask[None, None]
         if self.docs is not None:
