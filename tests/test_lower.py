@@ -146,7 +146,10 @@ def test_boundary_decisions_match_what_lower_emits() -> None:
     assert {p: (c, d.form) for p, (c, d) in got.items()} == {"b": ("Block", "tp_collective"), "s": ("Sub", "generic")}
 
 
-def test_unimplemented_region_is_refused_not_ignored() -> None:
+def test_unimplemented_region_is_refused_not_ignored(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hp_lazy.plan import model as plan_model
+
+    monkeypatch.setattr(plan_model, "IMPLEMENTED", frozenset({"cp_allgather_kv", "cp_ulysses"}))
     contract = attn_contract("b", region=Region(kind="ep_dispatch"))
     with pytest.raises(PlanError, match=r"^b\.region: kind 'ep_dispatch' \(expert parallel\) is not implemented yet"):
         lower(SIMPLE, plan({"b": "Block"}, (contract,)))
