@@ -71,6 +71,19 @@ def reference(path: str, data: dict[str, Any]) -> dict[str, Any]:
     return run(load(path), data)
 
 
+def check(pool, path: str, data: dict[str, Any]) -> None:
+    """``train`` on every rank of ``pool`` against one process: rank 0 everything (``parity.compare``),
+    every other rank the global loss and the gathered logits."""
+    import parity
+
+    ref = reference(path, data)
+    results = pool.run(train, path, data)
+    parity.compare(results[0], ref)
+    for other in results[1:]:
+        assert models.rel_err(other["loss"], ref["loss"]) <= parity.TOL
+        assert models.rel_err(other["logits"], ref["logits"]) <= parity.TOL
+
+
 def train(rank: int, world: int, path: str, data: dict[str, Any]) -> dict[str, Any]:
     import hp_lazy
 

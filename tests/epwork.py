@@ -217,3 +217,20 @@ def activate(rank: int, world: int, **degrees: int) -> None:
     import hp_lazy
 
     hp_lazy.activate("auto", **degrees)
+
+
+def check(pool, path: str, impl: str = "grouped_mm") -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """``train`` on every rank of ``pool`` against one process on the global batch: the routing
+    (top-k indices) equal, loss and logits on every rank, everything on rank 0 (``parity.compare``)."""
+    import parity
+
+    data = batch()
+    ref = reference(path, data, impl)
+    results = pool.run(train, path, data, impl)
+    for got in results:
+        for mine, theirs in zip(got["routing"], ref["routing"], strict=True):
+            assert (mine == theirs).all()
+        assert models.rel_err(got["loss"], ref["loss"]) <= parity.TOL
+        assert models.rel_err(got["logits"], ref["logits"]) <= parity.TOL
+    parity.compare(results[0], ref)
+    return results, ref

@@ -27,13 +27,18 @@ class References:
         return path, self._cache[name]
 
 
-def activated(pool, *, tp: int | None = None, **flags: bool):
-    """``pool`` with ``hp_lazy.activate(Plan.auto(tp=tp or world, **flags))`` done on every rank,
-    once per set of workers (a pool restarts its workers after a worker error)."""
+def once(pool, fn, *args, **kwargs):
+    """``pool`` with ``fn(rank, world, *args, **kwargs)`` (an activation) run on every rank once per
+    set of workers (a pool restarts its workers after a worker error)."""
     if getattr(pool, "_hp_activated", None) is not pool._procs or not pool._procs:
-        pool.run(activate, tp or pool.world_size, flags)
+        pool.run(fn, *args, **kwargs)
         pool._hp_activated = pool._procs
     return pool
+
+
+def activated(pool, *, tp: int | None = None, **flags: bool):
+    """``pool`` with ``hp_lazy.activate(Plan.auto(tp=tp or world, **flags))`` done on every rank, once."""
+    return once(pool, activate, tp or pool.world_size, flags)
 
 
 def check_parity(pool, refs: References, name: str) -> dict[str, float]:

@@ -15,9 +15,7 @@ pool2 = pool_fixture(2, timeout=120)
 
 @pytest.fixture(scope="module")
 def ready(pool2: DistPool, tmp_path_factory):
-    if getattr(pool2, "_hp_activated", None) is not pool2._procs or not pool2._procs:
-        pool2.run(cpwork.activate, 2, 1)
-        pool2._hp_activated = pool2._procs
+    parity.once(pool2, cpwork.activate, 2, 1)
     return pool2, str(tmp_path_factory.mktemp("models"))
 
 
@@ -31,13 +29,7 @@ CASES = [("llama_gqa", "plain"), ("qwen3", "plain"), ("llama_bias", "plain"), ("
 def test_cp_matches_one_process(ready, name: str, kind: str) -> None:
     pool, root = ready
     path = models.build(name, root)
-    data = cpwork.batch(kind)
-    ref = cpwork.reference(path, data)
-    results = pool.run(cpwork.train, path, data)
-    parity.compare(results[0], ref)
-    for other in results[1:]:  # the global loss and, gathered, the whole logits on every rank
-        assert models.rel_err(other["loss"], ref["loss"]) <= parity.TOL
-        assert models.rel_err(other["logits"], ref["logits"]) <= parity.TOL
+    cpwork.check(pool, path, cpwork.batch(kind))  # the global loss and, gathered, the whole logits on every rank
 
 
 @pytest.mark.parametrize("how", ["local positions", "upper-left causal", "mean of means"])

@@ -15,10 +15,7 @@ pool4 = pool_fixture(4, timeout=180)
 
 
 def _ready(pool: DistPool, cp: int) -> DistPool:
-    if getattr(pool, "_hp_activated", None) is not pool._procs or not pool._procs:
-        pool.run(cpwork.activate, cp, 1, "ulysses")
-        pool._hp_activated = pool._procs
-    return pool
+    return parity.once(pool, cpwork.activate, cp, 1, "ulysses")
 
 
 @pytest.fixture(scope="module")
@@ -26,19 +23,11 @@ def root(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("models"))
 
 
-def _check(pool: DistPool, path: str, data: dict) -> None:
-    ref = cpwork.reference(path, data)
-    results = pool.run(cpwork.train, path, data)
-    parity.compare(results[0], ref)
-    for other in results[1:]:
-        assert models.rel_err(other["loss"], ref["loss"]) <= parity.TOL
-        assert models.rel_err(other["logits"], ref["logits"]) <= parity.TOL
-
 
 @pytest.mark.parametrize(("name", "kind"), [("llama_gqa", "plain"), ("qwen3", "plain"), ("qwen3_sliding", "packed"),
                                             ("llama_gqa", "padded"), ("llama_dynamic", "plain")])
 def test_ulysses_cp2(pool2: DistPool, root: str, name: str, kind: str) -> None:
-    _check(_ready(pool2, 2), models.build(name, root), cpwork.batch(kind))
+    cpwork.check(_ready(pool2, 2), models.build(name, root), cpwork.batch(kind))
 
 
 def test_ulysses_collectives_per_layer(pool2: DistPool, root: str) -> None:
@@ -51,7 +40,7 @@ def test_ulysses_collectives_per_layer(pool2: DistPool, root: str) -> None:
 
 @pytest.mark.parametrize(("name", "kind"), [("llama_gqa", "plain"), ("qwen3_sliding", "packed")])
 def test_ulysses_cp4_replicates_kv_heads(pool4: DistPool, root: str, name: str, kind: str) -> None:
-    _check(_ready(pool4, 4), models.build(name, root), cpwork.batch(kind))
+    cpwork.check(_ready(pool4, 4), models.build(name, root), cpwork.batch(kind))
 
 
 def test_heads_ulysses_cannot_split_are_refused(pool4: DistPool, root: str) -> None:

@@ -15,10 +15,7 @@ dp2cp2 = pool_fixture(4, timeout=180)
 
 
 def _ready(pool: DistPool, cp: int, tp: int) -> DistPool:
-    if getattr(pool, "_hp_activated", None) is not pool._procs or not pool._procs:
-        pool.run(cpwork.activate, cp, tp)
-        pool._hp_activated = pool._procs
-    return pool
+    return parity.once(pool, cpwork.activate, cp, tp)
 
 
 @pytest.fixture(scope="module")
@@ -26,24 +23,16 @@ def root(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("models"))
 
 
-def _check(pool: DistPool, path: str, data: dict) -> None:
-    ref = cpwork.reference(path, data)
-    results = pool.run(cpwork.train, path, data)
-    parity.compare(results[0], ref)
-    for other in results[1:]:
-        assert models.rel_err(other["loss"], ref["loss"]) <= parity.TOL
-        assert models.rel_err(other["logits"], ref["logits"]) <= parity.TOL
-
 
 @pytest.mark.parametrize(("name", "kind"), [("llama_gqa", "plain"), ("qwen3", "plain"), ("llama_bias", "plain"),
                                             ("qwen3_sliding", "packed"), ("llama_gqa", "padded"), ("phi3", "plain")])
 def test_cp2_tp2(cp2tp2: DistPool, root: str, name: str, kind: str) -> None:
-    _check(_ready(cp2tp2, 2, 2), models.build(name, root), cpwork.batch(kind))
+    cpwork.check(_ready(cp2tp2, 2, 2), models.build(name, root), cpwork.batch(kind))
 
 
 @pytest.mark.parametrize(("name", "kind"), [("llama_gqa", "plain"), ("qwen3_sliding", "packed"), ("llama_dynamic", "plain")])
 def test_cp4(cp4: DistPool, root: str, name: str, kind: str) -> None:
-    _check(_ready(cp4, 4, 1), models.build(name, root), cpwork.batch(kind))
+    cpwork.check(_ready(cp4, 4, 1), models.build(name, root), cpwork.batch(kind))
 
 
 def test_dp2_cp2(dp2cp2: DistPool, root: str) -> None:

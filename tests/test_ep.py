@@ -17,9 +17,7 @@ pool2 = pool_fixture(2, timeout=120)
 
 @pytest.fixture(scope="module")
 def ready(pool2: DistPool, tmp_path_factory):
-    if getattr(pool2, "_hp_activated", None) is not pool2._procs or not pool2._procs:
-        pool2.run(epwork.activate, ep=2)
-        pool2._hp_activated = pool2._procs
+    parity.once(pool2, epwork.activate, ep=2)
     return pool2, str(tmp_path_factory.mktemp("models"))
 
 

@@ -16,9 +16,7 @@ pool4 = pool_fixture(4, timeout=180)
 
 @pytest.fixture(scope="module")
 def ready(pool4: DistPool, tmp_path_factory):
-    if getattr(pool4, "_hp_activated", None) is not pool4._procs or not pool4._procs:
-        pool4.run(epwork.activate, ep=4)
-        pool4._hp_activated = pool4._procs
+    parity.once(pool4, epwork.activate, ep=4)
     return pool4, str(tmp_path_factory.mktemp("models"))
 
 

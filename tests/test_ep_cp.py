@@ -17,22 +17,11 @@ pool2 = pool_fixture(2, timeout=120)
 
 @pytest.fixture(scope="module")
 def ready(pool2: DistPool, tmp_path_factory):
-    if getattr(pool2, "_hp_activated", None) is not pool2._procs or not pool2._procs:
-        pool2.run(epwork.activate, ep=2, cp=2)
-        pool2._hp_activated = pool2._procs
+    parity.once(pool2, epwork.activate, ep=2, cp=2)
     return pool2, str(tmp_path_factory.mktemp("models"))
 
 
 @pytest.mark.parametrize(("name", "impl"), [("qwen3_moe", "grouped_mm"), ("qwen2_moe", "eager")])
 def test_ep_cp_matches_one_process(ready, name: str, impl: str) -> None:
     pool, root = ready
-    path = models.build(name, root)
-    data = epwork.batch()
-    ref = epwork.reference(path, data, impl)
-    results = pool.run(epwork.train, path, data, impl)
-    for got in results:
-        for mine, theirs in zip(got["routing"], ref["routing"], strict=True):
-            assert (mine == theirs).all()
-        assert models.rel_err(got["loss"], ref["loss"]) <= parity.TOL
-        assert models.rel_err(got["logits"], ref["logits"]) <= parity.TOL
-    parity.compare(results[0], ref)
+    epwork.check(pool, models.build(name, root), impl)

@@ -17,23 +17,12 @@ pool4 = pool_fixture(4, timeout=180)
 
 @pytest.fixture(scope="module")
 def ready(pool4: DistPool, tmp_path_factory):
-    if getattr(pool4, "_hp_activated", None) is not pool4._procs or not pool4._procs:
-        pool4.run(epwork.activate, ep=2, tp=2)
-        pool4._hp_activated = pool4._procs
+    parity.once(pool4, epwork.activate, ep=2, tp=2)
     return pool4, str(tmp_path_factory.mktemp("models"))
 
 
 @pytest.mark.parametrize(("name", "impl"), [("qwen3_moe8", "grouped_mm"), ("qwen2_moe", "eager")])
 def test_ep_tp_matches_one_process(ready, name: str, impl: str) -> None:
     pool, root = ready
-    path = models.build(name, root)
-    data = epwork.batch()
-    ref = epwork.reference(path, data, impl)
-    results = pool.run(epwork.train, path, data, impl)
-    for got in results:
-        for mine, theirs in zip(got["routing"], ref["routing"], strict=True):
-            assert (mine == theirs).all()
-        assert models.rel_err(got["loss"], ref["loss"]) <= parity.TOL
-        assert models.rel_err(got["logits"], ref["logits"]) <= parity.TOL
+    results, ref = epwork.check(pool, models.build(name, root), impl)
     assert results[0]["local_experts"] == [models.MORE_CONFIGS[name][1]["num_experts"] // 2] * len(ref["routing"])
-    parity.compare(results[0], ref)

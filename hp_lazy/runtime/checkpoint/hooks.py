@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from itertools import chain
 from typing import Any
 
@@ -196,36 +196,37 @@ def _by_param(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) ->
     return dict(zip(keys, chain.from_iterable(g["params"] for g in optimizer.param_groups), strict=False))
 
 
-def _present_optimizer(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any] | None:
-    if _plain():
-        return None
-    owners = _owners()
-    params = _by_param(optimizer, state_dict["param_groups"])
-    state = dict(state_dict["state"])
-    for key, entry in state.items():
-        owner = owners.get(id(params.get(key)))
-        if owner is None:
-            continue
-        presentation, fqn = owner
-        state[key] = {  # a new dict: the entry is the optimizer's live state
-            name: presentation.present(fqn, v, f"optimizer state {name!r}") if _per_element(v) else v
-            for name, v in entry.items()
-        }
-    state_dict["state"] = state
-    return state_dict
-
-
-def _accept_optimizer(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any] | None:
-    if _plain():
-        return None
+def _map_sharded_state(
+    optimizer: torch.optim.Optimizer, state_dict: dict[str, Any], fn: Callable[[Any, dict[str, Any]], dict[str, Any]]
+) -> dict[str, Any]:
+    """``state_dict`` with ``fn(owner, entry)`` as the new entry of every sharded parameter's state
+    (new dicts: the entries are the optimizer's live state)."""
     owners = _owners()
     params = _by_param(optimizer, state_dict["param_groups"])
     state = dict(state_dict["state"])
     for key, entry in state.items():
         owner = owners.get(id(params.get(key)))
         if owner is not None:
-            state[key] = {**entry, **_accepted(owner, entry)}
+            state[key] = fn(owner, entry)
     return {**state_dict, "state": state}
+
+
+def _present_optimizer(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any] | None:
+    if _plain():
+        return None
+
+    def present(owner: Any, entry: dict[str, Any]) -> dict[str, Any]:
+        presentation, fqn = owner
+        return {name: presentation.present(fqn, v, f"optimizer state {name!r}") if _per_element(v) else v
+                for name, v in entry.items()}
+
+    return _map_sharded_state(optimizer, state_dict, present)
+
+
+def _accept_optimizer(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any] | None:
+    if _plain():
+        return None
+    return _map_sharded_state(optimizer, state_dict, lambda owner, entry: {**entry, **_accepted(owner, entry)})
 
 
 def _accepted(owner: tuple[Presentation, str], entry: dict[str, Any]) -> dict[str, Any]:
