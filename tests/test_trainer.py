@@ -92,16 +92,36 @@ def test_dispatch_batches_is_refused(pool: DistPool, refs, tmp_path) -> None:
 
 
 
-def test_trainer_checkpoints_save_the_whole_model_and_refuse_optimizer_state(pool: DistPool, refs, tmp_path) -> None:
+def test_trainer_checkpoints_save_the_whole_model(pool: DistPool, refs, tmp_path) -> None:
     """save_steps checkpoints with save_only_model=True: every rank joins save_pretrained's gathers and
-    a plain process loads the checkpoint equal to the trained model; optimizer-state checkpoints (the
-    Trainer's rank-0 optimizer.pt would hold rank 0's shards) are refused before the first step."""
+    a plain process loads the checkpoint equal to the trained model."""
     path, _ = refs("llama")
     got = pool.run(trainwork.trainer_checkpoint, path, str(tmp_path / "hp"))
     assert got[0]["equal"] <= 1e-7 and got[0]["files"] == ["config.json", "generation_config.json", "model.safetensors", "training_args.bin"]
-    assert got[0]["refused"] == got[1]["refused"] == (
-        "Trainer.train: save_strategy='steps' with save_only_model=False on an hp_lazy model whose parameters are "
-        "sharded over tp/ep: the Trainer writes optimizer.pt on the main process alone, which would hold rank 0's "
-        "shards only and resume wrong; pass save_only_model=True (the model is saved whole by save_pretrained on "
-        "every rank) or save_strategy='no', and checkpoint the optimizer with torch.distributed.checkpoint "
-        "(dcp.save(get_state_dict(model, optimizer)) reshards on load)")
+
+
+@pytest.mark.parametrize("optim", ["sgd", "adamw_torch"])
+def test_trainer_resumes_from_a_save_steps_checkpoint(pool: DistPool, refs, tmp_path, optim: str) -> None:
+    """save_steps=2 with the optimizer state (default save_only_model=False), then
+    resume_from_checkpoint: steps 3-4 and the final parameters equal one process's straight run."""
+    path, _ = refs("llama")
+    ref = _reference(trainwork.trainer_resume, path, str(tmp_path / "ref"), optim=optim)
+    trainwork.compare_resume(ref, ref, tol=trainwork.TOL[optim])  # one process resumes itself exactly
+    got = pool.run(trainwork.trainer_resume, path, str(tmp_path / "hp"), optim=optim)
+    trainwork.compare_resume(got[0], ref, tol=trainwork.TOL[optim])
+    assert "optimizer_dcp" in got[0]["files"] and "optimizer.pt" not in got[0]["files"]
+    assert all(float((g["resumed"]["loss"] - ref["straight"]["loss"]).abs().max()) <= 1e-5 for g in got)
+
+
+def test_trainer_resume_with_the_main_process_optimizer_pt_is_wrong(pool: DistPool, refs, tmp_path) -> None:
+    """Negative control: the Trainer's own optimizer.pt (rank 0's shards, loaded by both ranks)
+    resumes without an error and with the wrong parameters; hp_lazy refuses such a checkpoint."""
+    path, _ = refs("llama")
+    ref = _reference(trainwork.trainer_resume, path, str(tmp_path / "ref"))
+    got = pool.run(trainwork.trainer_resume, path, str(tmp_path / "old"), old_optimizer_pt=True)
+    assert "optimizer.pt" in got[0]["files"]
+    with pytest.raises(AssertionError, match="relative errors above"):
+        trainwork.compare_resume(got[0], ref, tol=trainwork.TOL["adamw_torch"])
+    with pytest.raises(WorkerError, match=r"holds optimizer.pt, written by the main process alone; for this model, "
+                                          r"whose parameters are sharded over tp, it holds rank 0's shards only"):
+        pool.run(trainwork.trainer_resume_only, path, str(tmp_path / "old" / "checkpoint-2"))

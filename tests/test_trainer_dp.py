@@ -87,3 +87,14 @@ def test_trainer_evaluate_with_a_cut_last_batch(pool: DistPool, refs, tmp_path) 
     ref = trainwork.evaluate(0, 1, path, str(tmp_path / "ref"))
     got = pool.run(trainwork.evaluate, path, str(tmp_path / "hp"))
     assert all(abs(g - ref) <= parity.TOL * ref for g in got), (got, ref)
+
+
+def test_trainer_resumes_from_a_save_steps_checkpoint(pool: DistPool, refs, tmp_path) -> None:
+    """AdamW, save_steps=2 with the optimizer state, resume_from_checkpoint at dp=2 x tp=2: one
+    process's run (q/k norms: replicated states, tp-partial gradients)."""
+    path, _ = refs("qwen3")
+    ref = _reference(trainwork.trainer_resume, path, str(tmp_path / "ref"))
+    got = pool.run(trainwork.trainer_resume, path, str(tmp_path / "hp"))
+    trainwork.compare_resume(got[0], ref, tol=trainwork.TOL["adamw_torch"])
+    assert "optimizer_dcp" in got[0]["files"] and "optimizer.pt" not in got[0]["files"]
+    assert all(float((g["resumed"]["loss"] - ref["straight"]["loss"]).abs().max()) <= 1e-5 for g in got)

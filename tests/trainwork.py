@@ -250,8 +250,7 @@ def trainer_after_deactivate(rank: int, world: int, path: str, out: str) -> dict
 
 def trainer_checkpoint(rank: int, world: int, path: str, out: str) -> dict[str, Any]:
     """2 SGD steps with a ``save_steps=2``, ``save_only_model=True`` checkpoint (every rank); the
-    checkpoint's tensors against the trained model's full state dict; and the refusal of an
-    optimizer-state checkpoint."""
+    checkpoint's tensors against the trained model's full state dict."""
     import os
 
     import torch.distributed as dist
@@ -260,22 +259,105 @@ def trainer_checkpoint(rank: int, world: int, path: str, out: str) -> dict[str, 
 
     import hp_lazy
 
-    def args(**extra: Any) -> Any:
-        return TrainingArguments(output_dir=out, per_device_train_batch_size=GLOBAL_BATCH // _dp_size(), max_steps=2,
-                                 report_to=[], optim="sgd", learning_rate=0.1, save_strategy="steps", save_steps=2,
-                                 use_cpu=True, disable_tqdm=True, **extra)
-
+    args = TrainingArguments(output_dir=out, per_device_train_batch_size=GLOBAL_BATCH // _dp_size(), max_steps=2,
+                             report_to=[], optim="sgd", learning_rate=0.1, save_strategy="steps", save_steps=2,
+                             use_cpu=True, disable_tqdm=True, save_only_model=True)
     model = parity._load(path)
-    Trainer(model=model, args=args(save_only_model=True), train_dataset=Rows()).train()
+    Trainer(model=model, args=args, train_dataset=Rows()).train()
     full = hp_lazy.full_state_dict(model)
     dist.barrier()
     saved = load_file(os.path.join(out, "checkpoint-2", "model.safetensors"))
     assert set(saved) <= set(full), sorted(set(saved) - set(full))
     equal = max(float((saved[k] - full[k]).abs().max()) for k in saved)
     files = sorted(f for f in os.listdir(os.path.join(out, "checkpoint-2")) if not f.startswith(("trainer_", "rng_")))
+    return {"equal": equal, "files": files}
+
+
+def trainer_resume(rank: int, world: int, path: str, out: str, optim: str = "adamw_torch",
+                   old_optimizer_pt: bool = False) -> dict[str, Any]:
+    """The stock ``save_steps`` / ``resume_from_checkpoint`` cycle: 4 steps with a checkpoint every
+    2 (model, optimizer, scheduler, RNG), then a fresh model and Trainer resumed from
+    ``checkpoint-2`` to step 4. Both runs' logs (steps 3 and 4 of the resumed one) and final
+    parameters; the checkpoint's files. ``old_optimizer_pt``: the negative control, the Trainer's
+    own main-process ``optimizer.pt`` (rank 0's plain shards, loaded by every rank)."""
+    import os
+
+    import torch
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    from transformers import Trainer, TrainingArguments
+
+    import hp_lazy
+    from hp_lazy.integrations.transformers import _optimizer_parts
+    from hp_lazy.runtime.checkpoint.hooks import local_shards
+
+    lr = 0.1 if optim == "sgd" else 1e-3
+    args = TrainingArguments(
+        output_dir=out, per_device_train_batch_size=GLOBAL_BATCH // _dp_size(), max_steps=4, logging_steps=1,
+        report_to=[], optim=optim, learning_rate=lr, weight_decay=0.01, save_strategy="steps", save_steps=2,
+        use_cpu=True, disable_tqdm=True,
+    )
+
+    def run(resume: str | None) -> dict[str, Any]:
+        model = parity._load(path)
+        trainer = Trainer(model=model, args=args, train_dataset=Rows())
+        trainer.train(resume_from_checkpoint=resume)
+        logged = [h for h in trainer.state.log_history if "loss" in h]
+        return {"loss": torch.tensor([h["loss"] for h in logged], dtype=torch.float64),
+                "step": [h["step"] for h in logged], "state": hp_lazy.full_state_dict(model)}
+
+    import transformers.trainer as trainer_module
+
+    cls = trainer_module.Trainer
+    routed = ("_save_optimizer_and_scheduler", "_load_optimizer_and_scheduler")
+    saved = [getattr(cls, name) for name in routed]
+    if old_optimizer_pt:
+        for name, fn in zip(routed, saved, strict=True):
+            stock = getattr(fn, "__wrapped__", fn)
+
+            def in_local_shards(self: Any, where: Any, stock: Any = stock) -> Any:
+                if where is not None and stock.__name__.startswith("_load"):
+                    get_optimizer_state_dict(*_optimizer_parts(self))  # a zero step: hp_lazy sees the optimizer
+                with local_shards():
+                    return stock(self, where)
+
+            setattr(cls, name, in_local_shards)
     try:
-        Trainer(model=parity._load(path), args=args(), train_dataset=Rows()).train()
-        refused = "trained"
-    except Exception as exc:
-        refused = str(exc)
-    return {"equal": equal, "files": files, "refused": refused}
+        straight = run(None)
+        resumed = run(os.path.join(out, "checkpoint-2"))
+    finally:
+        for name, fn in zip(routed, saved, strict=True):
+            setattr(cls, name, fn)
+    result: dict[str, Any] = {"straight": straight, "resumed": resumed,
+                              "files": sorted(os.listdir(os.path.join(out, "checkpoint-2")))}
+    if rank != 0:
+        del straight["state"], resumed["state"]
+    return result
+
+
+def compare_resume(got: dict[str, Any], ref: dict[str, Any], tol: float) -> dict[str, float]:
+    """The resumed run (its log: steps 1-2 restored from the checkpoint, 3-4 trained; final
+    parameters) and the straight one against one process's straight run."""
+    errors = {"straight loss": models.rel_err(got["straight"]["loss"], ref["straight"]["loss"]),
+              "resumed loss": models.rel_err(got["resumed"]["loss"], ref["straight"]["loss"])}
+    for run in ("straight", "resumed"):
+        errors.update({f"{run} {n}": models.rel_err(got[run]["state"][n], v) for n, v in ref["straight"]["state"].items()})
+    assert got["resumed"]["step"] == [1, 2, 3, 4], got["resumed"]["step"]  # 1-2 from trainer_state.json
+    bad = {k: v for k, v in errors.items() if not v <= tol}
+    # the same ranks resumed and straight: the same arithmetic, so AdamW's round-off cannot hide a lost state
+    itself = {n: models.rel_err(got["resumed"]["state"][n], v) for n, v in got["straight"]["state"].items()}
+    bad.update({f"resumed against straight {n}": v for n, v in itself.items() if not v <= parity.TOL})
+    assert not bad, f"relative errors above {tol}: {dict(list(bad.items())[:6])}"
+    return errors
+
+
+def trainer_resume_only(rank: int, world: int, path: str, checkpoint: str) -> None:
+    """``Trainer.train(resume_from_checkpoint=checkpoint)`` with the run's arguments."""
+    import os
+
+    from transformers import Trainer, TrainingArguments
+
+    args = TrainingArguments(
+        output_dir=os.path.dirname(checkpoint), per_device_train_batch_size=GLOBAL_BATCH // _dp_size(), max_steps=4,
+        report_to=[], optim="adamw_torch", save_strategy="no", use_cpu=True, disable_tqdm=True,
+    )
+    Trainer(model=parity._load(path), args=args, train_dataset=Rows()).train(resume_from_checkpoint=checkpoint)

@@ -14,15 +14,23 @@ counts the Trainer reports become one process's.
 Checkpoints: the Trainer saves the model on the main process only, but an hp_lazy model's
 ``save_pretrained`` gathers its shards (a collective), so ``_save`` makes the other ranks join it
 (they write nothing). Its ``optimizer.pt`` is written by the main process alone, which for
-parameters sharded over tp or ep would hold rank 0's shards only and resume wrong: ``train``
-refuses, before the first step, checkpoints with optimizer state (``save_only_model=False``) and
-``resume_from_checkpoint`` for such a model, naming ``save_only_model=True`` and
-``torch.distributed.checkpoint`` (which reshards, :mod:`hp_lazy.runtime.checkpoint`) instead.
+parameters sharded over tp would hold rank 0's shards only and resume wrong. So for such a model
+``_save_optimizer_and_scheduler`` writes the optimizer state with ``torch.distributed.checkpoint``
+on every rank (``checkpoint-N/optimizer_dcp``: torch's ``get_optimizer_state_dict`` sees each
+state as a DTensor over its shard, :mod:`hp_lazy.runtime.checkpoint`), the scheduler as the
+Trainer does; ``_load_optimizer_and_scheduler`` reads it back with ``dcp.load`` (which reshards:
+a checkpoint saved at another layout resumes too). ``resume_from_checkpoint`` then continues one
+process's run: the model from ``model.safetensors`` (full tensors, sliced on load), the optimizer
+and scheduler from there, RNG and data order as the Trainer keeps them. Refused, naming the fix: a
+checkpoint whose only optimizer state is a main-process ``optimizer.pt`` (rank 0's shards), and
+optimizer-state checkpoints of a model with experts cut over ep (their states are not presented
+as DTensors yet; ``save_only_model=True`` works).
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import Any
@@ -42,33 +50,109 @@ def install(module: ModuleType, degrees: Degrees) -> None:
         return
     cls.get_tp_size = _get_tp_size(cls.get_tp_size, degrees)
     cls._save = _save(cls._save)
+    cls._save_optimizer_and_scheduler = _save_optimizer(cls._save_optimizer_and_scheduler, degrees)
+    cls._load_optimizer_and_scheduler = _load_optimizer(cls._load_optimizer_and_scheduler, degrees)
     cls.train = _train(cls.train, degrees)
     setattr(cls, PATCHED, True)
 
 
-def _shards_parameters(degrees: Mapping[str, int] | None) -> bool:
-    return degrees is not None and any(int(degrees.get(axis, 1)) > 1 for axis in ("tp", "ep"))
+OPTIMIZER_DIR = "optimizer_dcp"
+"""Where, in a Trainer checkpoint, hp_lazy writes the optimizer state of a tp-sharded model."""
+_OPTIMIZER_PT = "optimizer.pt"
+_SCHEDULER_PT = "scheduler.pt"
+
+
+def _cut_over(degrees: Mapping[str, int] | None, axis: str) -> bool:
+    return degrees is not None and int(degrees.get(axis, 1)) > 1
+
+
+def _sharded(trainer: Any, degrees: Degrees) -> Mapping[str, int] | None:
+    """The degrees when the Trainer's model is an hp_lazy model with parameters cut over tp or ep
+    (and no DeepSpeed / FSDP plugin, which checkpoint their own way); else ``None``."""
+    if trainer.model is None or trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled:
+        return None
+    active = sharing_degrees(degrees())
+    if not (_cut_over(active, "tp") or _cut_over(active, "ep")) or not lowered(trainer.model):
+        return None
+    return active
 
 
 def _train(stock: Callable[..., Any], degrees: Degrees) -> Callable[..., Any]:
     @functools.wraps(stock)
     def train(self: Any, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
-        if self.model is not None and lowered(self.model) and _shards_parameters(sharing_degrees(degrees())):
+        if _cut_over(_sharded(self, degrees), "ep"):
             strategy = str(getattr(self.args.save_strategy, "value", self.args.save_strategy))
             saves_optimizer = strategy != "no" and not self.args.save_only_model
             if resume_from_checkpoint or saves_optimizer:
                 what = (f"resume_from_checkpoint={resume_from_checkpoint!r}" if resume_from_checkpoint else
                         f"save_strategy={strategy!r} with save_only_model=False")
                 raise ShardingError(
-                    f"Trainer.train: {what} on an hp_lazy model whose parameters are sharded over tp/ep: the Trainer "
-                    "writes optimizer.pt on the main process alone, which would hold rank 0's shards only and resume "
-                    "wrong; pass save_only_model=True (the model is saved whole by save_pretrained on every rank) or "
-                    "save_strategy='no', and checkpoint the optimizer with torch.distributed.checkpoint "
-                    "(dcp.save(get_state_dict(model, optimizer)) reshards on load)"
+                    f"Trainer.train: {what} on an hp_lazy model whose experts are cut over ep: hp_lazy cannot "
+                    "checkpoint the optimizer state of ep-cut experts yet (torch.distributed.checkpoint sees tp "
+                    "cuts only); pass save_only_model=True (the model is saved whole by save_pretrained on every "
+                    "rank) or save_strategy='no'"
                 )
         return stock(self, resume_from_checkpoint, *args, **kwargs)
 
     return train
+
+
+def _optimizer_parts(trainer: Any) -> tuple[Any, Any]:
+    """The bare model and optimizer (accelerate's wrappers off): the FQNs torch's
+    ``get_optimizer_state_dict`` keys states by are the model's own."""
+    model = trainer.accelerator.unwrap_model(trainer.model, keep_torch_compile=False)
+    return model, getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+
+
+def _save_optimizer(stock: Callable[..., Any], degrees: Degrees) -> Callable[..., Any]:
+    @functools.wraps(stock)
+    def _save_optimizer_and_scheduler(self: Any, output_dir: str) -> None:
+        if _sharded(self, degrees) is None:
+            return stock(self, output_dir)
+        import torch
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        model, optimizer = _optimizer_parts(self)
+        state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
+        dcp.save(state, checkpoint_id=os.path.join(output_dir, OPTIMIZER_DIR))  # every rank writes its shards
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, _SCHEDULER_PT))
+        return None
+
+    return _save_optimizer_and_scheduler
+
+
+def _load_optimizer(stock: Callable[..., Any], degrees: Degrees) -> Callable[..., Any]:
+    @functools.wraps(stock)
+    def _load_optimizer_and_scheduler(self: Any, checkpoint: str | None) -> None:
+        if checkpoint is None or _sharded(self, degrees) is None:
+            return stock(self, checkpoint)
+        folder = os.path.join(checkpoint, OPTIMIZER_DIR)
+        if not os.path.isdir(folder):
+            if os.path.isfile(os.path.join(checkpoint, _OPTIMIZER_PT)):
+                raise ShardingError(
+                    f"Trainer: resume_from_checkpoint={checkpoint!r} holds optimizer.pt, written by the main process "
+                    "alone; for this model, whose parameters are sharded over tp, it holds rank 0's shards only and "
+                    f"would resume wrong; resume from a checkpoint saved with the plan active (it writes "
+                    f"{OPTIMIZER_DIR}/ with torch.distributed.checkpoint), or delete optimizer.pt to resume the "
+                    "model alone with a fresh optimizer"
+                )
+            return stock(self, checkpoint)  # no optimizer state saved: the Trainer's own (it loads nothing)
+        import torch
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+        model, optimizer = _optimizer_parts(self)
+        state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
+        dcp.load(state, checkpoint_id=folder)  # into this rank's shards, from whatever layout was saved
+        set_optimizer_state_dict(model, optimizer, state["optimizer"])
+        scheduler = os.path.join(checkpoint, _SCHEDULER_PT)
+        if os.path.isfile(scheduler):
+            self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+        return None
+
+    return _load_optimizer_and_scheduler
 
 
 def _save(stock: Callable[..., Any]) -> Callable[..., Any]:

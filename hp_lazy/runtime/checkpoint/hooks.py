@@ -66,12 +66,17 @@ def _plain() -> bool:
 
 
 def install(model: nn.Module, table: LayoutTable | None, mesh: Mesh) -> None:
-    """Give bound ``model`` its state-dict face (a collective when K/V pieces are kept on several
-    ranks: their sub-mesh is built here, on every rank)."""
-    if table is None or not any(True for _ in table) or model in _MODELS:
+    """Give bound (or sharded-on-read) ``model`` its state-dict face (a collective when K/V pieces
+    are kept on several ranks: their sub-mesh is built here, on every rank). Called again with
+    another table (bound after PEFT replaced submodules), the face follows the new table."""
+    if table is None or not any(True for _ in table):
         return
-    presentation = Presentation(table, mesh)
-    _MODELS[model] = presentation
+    known = _MODELS.get(model)
+    if known is not None:
+        if known.table is not table:
+            _MODELS[model] = Presentation(table, mesh)
+        return
+    _MODELS[model] = Presentation(table, mesh)
     model.register_state_dict_post_hook(_present_model)
     model.register_load_state_dict_pre_hook(_accept_model)
     if hasattr(type(model), _GATHER_FOR_SAVE):

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hp_lazy.names import LAID_OUT
 from hp_lazy.runtime import registry
 
 _PATCHED: list[Any] = []
@@ -52,9 +53,11 @@ def patch_transformers(lowering: str) -> None:
             return load(model, state_dict, checkpoint_files, load_config, *args, **kwargs)
         _present_meta(model)
         try:
-            return load(model, state_dict, checkpoint_files, load_config, *args, **kwargs)
+            loaded = load(model, state_dict, checkpoint_files, load_config, *args, **kwargs)
         finally:
             _to_local(model)
+        _give_state_dict_face(model)
+        return loaded
 
     cls._load_pretrained_model = staticmethod(_load_pretrained_model)
     _PATCHED.append(original)
@@ -89,6 +92,18 @@ def _present_meta(model: nn.Module) -> None:
         if face is None:  # tied weights: one face for the one parameter
             face = faces[id(param)] = nn.Parameter(presentation.present(name, param.data), param.requires_grad)
         _set(model, name, face)
+
+
+def _give_state_dict_face(model: nn.Module) -> None:
+    """The loaded model's ``state_dict`` / ``load_state_dict`` face now, not at its first forward: a
+    full state dict loaded into it (the Trainer's ``resume_from_checkpoint``) is sliced, not refused
+    for its shapes."""
+    from hp_lazy.runtime.bind import LaidOut
+    from hp_lazy.runtime.checkpoint import hooks
+
+    laid_out = model.__dict__.get(LAID_OUT)
+    if isinstance(laid_out, LaidOut):
+        hooks.install(model, laid_out.table, laid_out.mesh)
 
 
 def _to_local(model: nn.Module) -> None:
