@@ -50,6 +50,17 @@ def test_trainer_with_accumulation(pool: DistPool, refs, tmp_path, optim: str) -
     trainwork.compare_trainer(got[0], ref, tol=trainwork.TOL[optim])
 
 
+@pytest.mark.parametrize("optim", ["sgd", "adamw_torch"])
+def test_trainer_with_peft_lora(pool: DistPool, refs, tmp_path, optim: str) -> None:
+    """get_peft_model on the loaded model, then the stock Trainer (clipping on): the adapters train
+    like one process's, the frozen base stays the checkpoint's."""
+    path, _ = refs("llama")
+    ref = _reference(trainwork.trainer, path, str(tmp_path / "ref"), optim=optim, lora=True)
+    got = pool.run(trainwork.trainer, path, str(tmp_path / "hp"), optim=optim, lora=True)
+    assert sum("lora_" in n for n in ref["state"]) >= 30
+    trainwork.compare_trainer(got[0], ref, tol=trainwork.TOL[optim])
+
+
 def test_trainer_after_deactivate(pool: DistPool, refs, tmp_path) -> None:
     path, _ = refs("llama")
     ref = _reference(trainwork.trainer, path, str(tmp_path / "ref"))

@@ -46,15 +46,20 @@ class Rows:
 
 
 def trainer(rank: int, world: int, path: str, out: str, optim: str = "sgd", ga: int = 1,
-            parallelize: bool = False, max_grad_norm: float = 1.0, data_parallel: bool | None = None) -> dict[str, Any]:
+            parallelize: bool = False, max_grad_norm: float = 1.0, data_parallel: bool | None = None,
+            lora: bool = False) -> dict[str, Any]:
     """``Trainer(model=model, args=TrainingArguments(...), train_dataset=...).train()``, 3 steps;
-    every rank returns its log (loss and grad_norm per step), rank 0 the full parameters too."""
+    every rank returns its log (loss and grad_norm per step), rank 0 the full parameters too.
+    ``lora``: the model is PEFT's ``get_peft_model`` of the loaded one (adapters trained, base frozen)."""
+    import test_peft
     import torch
     from transformers import Trainer, TrainingArguments
 
     import hp_lazy
 
     model = parity._load(path)
+    if lora:
+        model = test_peft._peft(model)
     if parallelize or data_parallel is not None:
         hp_lazy.parallelize(model, data_parallel=data_parallel)  # False: torch DDP over the dp group
     lr = 0.1 if optim == "sgd" else 1e-3

@@ -83,7 +83,11 @@ def _prepare_model(stock: Callable[..., Any]) -> Callable[..., Any]:
         if getattr(model, "_is_accelerate_prepared", False) or not lowered(model):
             return stock(self, model, device_placement=device_placement, evaluation_mode=evaluation_mode)
         _refuse_plugins(self, model)
-        root = _owner_root(model) or parallelize(model)
+        root = _owner_root(model)
+        if root is None:
+            parallelize(model)  # a PEFT wrapper: its laid-out model inside is bound, the wrapper returned
+            root = _owner_root(model)
+            assert root is not None, "parallelize gives every lowered model inside a gradient owner"
         prepared = stock(self, model, device_placement=device_placement, evaluation_mode=True)  # no DDP
         return prepared if evaluation_mode else _ddp_over_dp(self, prepared, root)
 

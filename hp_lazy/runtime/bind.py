@@ -68,10 +68,11 @@ def parallelize(model: nn.Module, *, data_parallel: bool | None = None) -> nn.Mo
         if watch is not None and watch.dirty:
             refresh(model)
         return model
-    tops = [m for _, m in model.named_modules() if GRADS_ATTR in m.__dict__]
+    tops = [m for _, m in model.named_modules()
+            if m is not model and (GRADS_ATTR in m.__dict__ or isinstance(m.__dict__.get(LAID_OUT), LaidOut))]
     owned = {id(p) for top in tops for p in top.parameters()}
     wrapper = registry.lowered_for(type(model)) is None and all(id(p) in owned for p in model.parameters())
-    if tops and wrapper:  # a plain wrapper (PEFT's PeftModel) of bound models, all its parameters theirs
+    if tops and wrapper:  # a plain wrapper (PEFT's PeftModel) of bound or laid-out models, all its parameters theirs
         for top in tops:
             parallelize(top)  # re-binds what changed since
         return model
