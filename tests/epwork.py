@@ -143,7 +143,7 @@ def train(rank: int, world: int, path: str, data: dict[str, Any], impl: str = "g
 
     model = hp_lazy.parallelize(load(path, impl, config))
     module = sys.modules[type(model).__module__]
-    original = getattr(module.load_balancing_loss_func, "hp_original", None)
+    original = getattr(getattr(module, "load_balancing_loss_func", None), "hp_original", None)  # DeepSeek: none
     if local_aux and original is not None:  # negative control: transformers' aux loss on this rank's rows
         module.load_balancing_loss_func, restore = original, module.load_balancing_loss_func
     dp, gather, mean = _dp_tools()

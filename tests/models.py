@@ -48,6 +48,23 @@ MORE_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     # 3 experts: not divisible by ep=2 (refused)
     "qwen3_moe3": ("Qwen3MoeConfig", {"head_dim": 8, "num_experts": 3, "num_experts_per_tok": 2,
                                       "moe_intermediate_size": 16, "mlp_only_layers": [0]}),
+    # MLA (multi-head latent attention): a q LoRA (q_a_proj -> norm -> q_b_proj), the joint K/V down
+    # projection kv_a_proj_with_mqa ('mla_kv_a_proj', replicated) and kv_b_proj; DeepSeek-V2's MoE
+    # (4 routed experts top-2, a shared expert, softmax routing), layer 0 dense
+    "deepseek_v2": ("DeepseekV2Config", {"q_lora_rank": 16, "kv_lora_rank": 8, "qk_rope_head_dim": 4,
+                                         "qk_nope_head_dim": 4, "v_head_dim": 8, "n_routed_experts": 4,
+                                         "num_experts_per_tok": 2, "n_shared_experts": 1, "moe_intermediate_size": 16,
+                                         "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
+                                         "attention_bias": True}),
+    # MLA without a q LoRA (q_proj colwise), a dense model
+    "minicpm3": ("MiniCPM3Config", {"q_lora_rank": None, "kv_lora_rank": 8, "qk_rope_head_dim": 4,
+                                    "qk_nope_head_dim": 4, "v_head_dim": 8}),
+    # MLA with DeepSeek-V3 routing (sigmoid, a correction bias, a shared expert)
+    "glm4_moe_lite": ("Glm4MoeLiteConfig", {"q_lora_rank": 16, "kv_lora_rank": 8, "qk_rope_head_dim": 4,
+                                            "qk_nope_head_dim": 4, "v_head_dim": 8, "n_routed_experts": 4,
+                                            "num_experts_per_tok": 2, "n_shared_experts": 1,
+                                            "moe_intermediate_size": 16, "first_k_dense_replace": 1,
+                                            "n_group": 1, "topk_group": 1}),
 }
 """Models only some test modules use (the parity modules sweep :data:`CONFIGS`)."""
 """Not yet under sequence parallel (Plan.auto refuses it with a PlanError)."""

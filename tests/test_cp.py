@@ -22,7 +22,7 @@ def ready(pool2: DistPool, tmp_path_factory):
 CASES = [("llama_gqa", "plain"), ("qwen3", "plain"), ("llama_bias", "plain"), ("qwen3_sliding", "plain"),
          ("llama_dynamic", "plain"), ("llama_gqa", "packed"), ("llama_gqa", "packed_cached"), ("qwen3_sliding", "packed"),
          ("llama_gqa", "padded"), ("llama_gqa", "left_padded"), ("qwen3_moe", "plain"),
-         ("phi3", "plain")]
+         ("phi3", "plain"), ("deepseek_v2", "plain"), ("minicpm3", "packed")]  # MLA (DeepSeek-V2: complex RoPE)
 
 
 @pytest.mark.parametrize(("name", "kind"), CASES)

@@ -25,7 +25,8 @@ def root(tmp_path_factory) -> str:
 
 
 @pytest.mark.parametrize(("name", "kind"), [("llama_gqa", "plain"), ("qwen3", "plain"), ("llama_bias", "plain"),
-                                            ("qwen3_sliding", "packed"), ("llama_gqa", "padded"), ("phi3", "plain")])
+                                            ("qwen3_sliding", "packed"), ("llama_gqa", "padded"), ("phi3", "plain"),
+                                            ("deepseek_v2", "plain")])  # MLA: latent heads cut on tp
 def test_cp2_tp2(cp2tp2: DistPool, root: str, name: str, kind: str) -> None:
     cpwork.check(_ready(cp2tp2, 2, 2), models.build(name, root), cpwork.batch(kind))
 

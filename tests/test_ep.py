@@ -36,7 +36,8 @@ def _check(pool, path: str, impl: str = "grouped_mm") -> dict[str, float]:
 
 
 @pytest.mark.parametrize(("name", "impl"), [("qwen3_moe", "grouped_mm"), ("qwen3_moe", "eager"),
-                                            ("qwen3_moe", "batched_mm"), ("qwen2_moe", "grouped_mm")])
+                                            ("qwen3_moe", "batched_mm"), ("qwen2_moe", "grouped_mm"),
+                                            ("deepseek_v2", "grouped_mm")])  # MLA attention, a shared expert
 def test_ep_matches_one_process(ready, name: str, impl: str) -> None:
     pool, root = ready
     errors = _check(pool, models.build(name, root), impl)

@@ -26,3 +26,12 @@ def test_ep_tp_matches_one_process(ready, name: str, impl: str) -> None:
     pool, root = ready
     results, ref = epwork.check(pool, models.build(name, root), impl)
     assert results[0]["local_experts"] == [models.MORE_CONFIGS[name][1]["num_experts"] // 2] * len(ref["routing"])
+
+
+@pytest.mark.parametrize("name", ["deepseek_v2", "glm4_moe_lite"])
+def test_ep_tp_with_mla_attention(ready, name: str) -> None:
+    """MLA heads cut on tp beside experts cut on ep and tp; GLM-4-MoE-Lite routes with sigmoid scores,
+    a correction bias and a shared expert."""
+    pool, root = ready
+    results, ref = epwork.check(pool, models.build(name, root))
+    assert results[0]["local_experts"] == [models.MORE_CONFIGS[name][1]["n_routed_experts"] // 2] * len(ref["routing"])

@@ -143,7 +143,7 @@ def test_moe_experts_are_tensor_parallel_and_dense_slots_pick_their_class() -> N
     assert plan.classes["model.layers.*.mlp.experts"] == "Qwen3MoeExperts"
 
 
-def test_experts_under_sequence_parallel_and_mla_are_refused() -> None:
+def test_experts_under_sequence_parallel_are_refused() -> None:
     with pytest.raises(PlanError) as info:
         Plan.auto(tp=2, sequence_parallel=True).slice(*source("qwen3_moe"))
     assert str(info.value) == (
@@ -151,12 +151,19 @@ def test_experts_under_sequence_parallel_and_mla_are_refused() -> None:
         "= 'moe_tp_experts' is not supported together with sequence_parallel yet; "
         "write an explicit JSON plan for this module (Plan.from_json) instead of Plan.auto"
     )
-    with pytest.raises(PlanError) as info:
-        Plan.auto(tp=2).slice(*source("minicpm3"))
-    assert str(info.value).startswith(
-        "transformers.models.minicpm3.modeling_minicpm3: MiniCPM3Config.base_model_tp_plan"
-        "['layers.*.self_attn.kv_a_proj_with_mqa'] = 'mla_kv_a_proj' is not a style Plan.auto translates"
-    )
+
+
+def test_mla_is_translated() -> None:
+    """MLA: the heads' up projections colwise, o_proj rowwise, the down projections replicated with
+    their gradients summed; q_proj and q_a_proj/q_b_proj exist by configuration, so optional."""
+    body = contracts("deepseek_v2")["model.layers.*.self_attn"]
+    assert body["grad_sum_params"] == ["kv_a_proj_with_mqa.*"]
+    assert {k: v for k, v in body["params"].items() if k.endswith("weight")} == {
+        "q_proj.weight": {"tp": "S(0)"}, "q_b_proj.weight": {"tp": "S(0)"}, "kv_b_proj.weight": {"tp": "S(0)"},
+        "o_proj.weight": {"tp": "S(1)"},
+    }
+    assert {"q_proj.weight", "q_b_proj.weight"} <= set(body["optional_params"])
+    assert "kv_b_proj.weight" not in body["optional_params"] and "o_proj.weight" not in body["optional_params"]
 
 
 def test_modules_without_a_tp_plan_are_not_sliced() -> None:
@@ -280,5 +287,8 @@ def test_nested_boundaries_are_rejected(monkeypatch: pytest.MonkeyPatch) -> None
 def test_unknown_styles_name_key_and_string(monkeypatch: pytest.MonkeyPatch) -> None:
     text = toy_error(monkeypatch, {"layers.*.mlp": "local_params"})
     assert text.startswith(f"{TOY}: ToyConfig.base_model_tp_plan['layers.*.mlp'] = 'local_params' is not a style")
-    text = toy_error(monkeypatch, {"layers.*.mlp.experts": "mla_kv_a_proj"})
-    assert "'mla_kv_a_proj' is not a style Plan.auto translates" in text
+    text = toy_error(monkeypatch, {"layers.*.mlp.experts": "gather"})
+    assert "'gather' is not a style Plan.auto translates" in text
+    text = toy_error(monkeypatch, {"layers.*.mlp.experts": "mla_kv_a_proj"})  # only inside an attention pair
+    assert "['layers.*.mlp.experts'] = 'mla_kv_a_proj' is not inside a module that encloses a colwise -> " \
+           "rowwise pair" in text

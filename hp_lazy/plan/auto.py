@@ -13,7 +13,8 @@ Translation (layouts for ``[batch, seq, hidden]`` activations):
   Params: colwise ``c.weight``/``c.bias`` ``S(0)``; packed ``SS(0,2)``; rowwise ``c.weight``
   ``S(1)`` with ``c.bias`` deferred; a key naming a raw (expert) parameter shards it on its
   output dim ``-2`` (``SS(-2,2)`` packed) or input dim ``-1`` (rowwise).
-  ``replicated_with_grad_allreduce`` children go to the boundary's ``grad_sum_params``.
+  ``replicated_with_grad_allreduce`` and ``mla_kv_a_proj`` (MLA's replicated K/V down projection)
+  children go to the boundary's ``grad_sum_params``.
 - ``colwise_gather_output`` / ``rowwise_split_input`` on a Linear: a leaf contract on that Linear
   (``input: R``, ``output: S(-1) -> R`` / ``input: R -> S(-1)``, ``output: P(sum) -> R``).
 - ``embedding_rowwise`` (and, as transformers does, the base model's ``embed_tokens`` when it is a
@@ -42,7 +43,11 @@ from hp_lazy.plan.parse import contract_from_dict
 from hp_lazy.plan.resolve import ModuleFacts, analyze, forward_params
 
 _MODULE = re.compile(r"^transformers\.models\.(\w+)\.modeling_(\w+)$")
-GROUPED = frozenset({"colwise", "packed_colwise", "rowwise", "replicated_with_grad_allreduce"})
+SUMMED = frozenset({"replicated_with_grad_allreduce", "mla_kv_a_proj"})
+"""Replicated children whose gradient is summed over tp. ``mla_kv_a_proj``: MLA's joint K/V down
+projection (``kv_a_proj_with_mqa``), whose output (the compressed latent and the shared RoPE key)
+feeds every rank's heads, so each rank's gradient is its heads' part."""
+GROUPED = frozenset({"colwise", "packed_colwise", "rowwise"}) | SUMMED
 LEAF = frozenset({"colwise_gather_output", "rowwise_split_input"})
 MOE = "moe_tp_experts"
 SUPPORTED = GROUPED | LEAF | {"embedding_rowwise", MOE}
@@ -109,7 +114,7 @@ class _Builder:
         for rule in rules:
             if not isinstance(rule.style, str) or rule.style not in SUPPORTED:
                 self._fail(rule, "is not a style Plan.auto translates (it handles colwise/packed_colwise -> "
-                           "rowwise pairs, replicated_with_grad_allreduce, colwise_gather_output, "
+                           "rowwise pairs, replicated_with_grad_allreduce, mla_kv_a_proj, colwise_gather_output, "
                            "rowwise_split_input and embedding_rowwise)")
         grouped = [r for r in rules if r.style in GROUPED]
         self.moe = {(r.base, r.key) for r in rules if r.style == MOE}
@@ -242,7 +247,7 @@ class _Builder:
             self._fail(rule, f"names a direct child of the base model {base}, which Plan.auto cannot enclose")
         if (base, parent) in pairs:
             return (base, parent)
-        if rule.style == "replicated_with_grad_allreduce":
+        if rule.style in SUMMED:
             for home in sorted(pairs, key=lambda p: -len(p[1])):
                 if home[0] == base and parent.startswith(home[1] + "."):
                     return home
@@ -254,7 +259,7 @@ class _Builder:
         rel = rule.key[len(parent) + 1 :] if parent else rule.key
         is_module = bool(self.facts.resolve(rule.base, rule.key))
         params, style = body["params"], str(rule.style)
-        if style == "replicated_with_grad_allreduce":
+        if style in SUMMED:
             body["grad_sum_params"].append(f"{rel}.*" if is_module else rel)
         elif not is_module:
             if not self._is_param(rule):
@@ -272,6 +277,12 @@ class _Builder:
             else:
                 params[f"{rel}.bias"] = {"tp": shard}
             body["optional_params"].append(f"{rel}.bias")  # the config may turn biases off
+            if self._conditional(rule.base, parent, rel):  # MLA: q_proj or q_a_proj -> q_b_proj, by config
+                body["optional_params"].append(f"{rel}.weight")
+
+    def _conditional(self, base: str, parent: str, rel: str) -> bool:
+        owners = self.facts.resolve(base, parent) if parent else {base}
+        return any(rel.split(".")[0] in self.facts.conditional(o) for o in owners if o in self.facts.classes)
 
     def _is_param(self, rule: Rule) -> bool:
         owner_key, _, leaf = rule.key.rpartition(".")

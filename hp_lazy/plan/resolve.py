@@ -59,6 +59,9 @@ class ClassFacts:
     forward: FunctionNode | None
     constants: Mapping[str, object]
     """Class-level literals: ``base_model_prefix``, ``_tp_plan``, and ``config`` (annotation text)."""
+    conditional: frozenset[str] = frozenset()
+    """Children ``__init__`` may leave out by configuration: assigned under an ``if`` or from a
+    conditional expression with a ``None`` branch (MLA's ``q_proj`` / ``q_a_proj``)."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -100,6 +103,10 @@ class ModuleFacts:
         for cls in reversed(self.mro(name)):
             merged.update(self.classes[cls].children)
         return merged
+
+    def conditional(self, name: str) -> set[str]:
+        """Children of ``name`` (or a local base) that its ``__init__`` may leave out by configuration."""
+        return {c for cls in self.mro(name) for c in self.classes[cls].conditional}
 
     def params(self, name: str) -> set[str]:
         return {p for cls in self.mro(name) for p in self.classes[cls].params}
@@ -225,6 +232,7 @@ class _ClassScanner:
         self.node = node
         self.children: dict[str, tuple[Ref, ...]] = {}
         self.params: list[str] = []
+        self.conditional: set[str] = set()
 
     def scan(self) -> ClassFacts:
         methods = {n.name: n for n in self.node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
@@ -238,6 +246,7 @@ class _ClassScanner:
             params=tuple(self.params),
             forward=methods.get("forward"),
             constants=self._constants(),
+            conditional=frozenset(self.conditional),
         )
 
     def _base(self, node: ast.expr) -> str:
@@ -263,6 +272,8 @@ class _ClassScanner:
         if not init.args.args:
             return
         self_name = init.args.args[0].arg
+        guarded = {id(n) for branch in _walk_body(init.body) if isinstance(branch, ast.If)
+                   for n in _walk_body([*branch.body, *branch.orelse])}
         for node in _walk_body(init.body):
             if isinstance(node, ast.Assign):
                 targets = node.targets
@@ -272,6 +283,8 @@ class _ClassScanner:
             for target in targets:
                 if isinstance(target, ast.Attribute) and _dotted(target.value) == self_name and value is not None:
                     self._assign(target.attr, value)
+                    if id(node) in guarded or _may_be_none(value):
+                        self.conditional.add(target.attr)
 
     def _assign(self, attr: str, value: ast.expr) -> None:
         if isinstance(value, ast.Call) and self._qualified(value.func) in PARAMETERS:
@@ -311,6 +324,11 @@ class _ClassScanner:
         if isinstance(arg, (ast.ListComp, ast.GeneratorExp)):
             return Ref(name, False, (self._refs(arg.elt),))
         return Ref(name, False, ())
+
+
+def _may_be_none(value: ast.expr) -> bool:
+    return isinstance(value, ast.IfExp) and any(
+        isinstance(v, ast.Constant) and v.value is None for v in (value.body, value.orelse))
 
 
 def _walk_body(body: list[ast.stmt]) -> Iterator[ast.AST]:

@@ -31,11 +31,14 @@ def wrap_rotary(module: nn.Module, where: str) -> None:
         if state is None or position_ids is None:
             return inner(x, position_ids, *args, **kwargs)
         out = inner(x, state.positions, *args, **kwargs)
-        if not isinstance(out, tuple) or any(t.dim() < 2 or t.shape[1] != state.zig.seq for t in out):
+        parts = (out,) if isinstance(out, torch.Tensor) else out  # DeepSeek-V2: one complex freqs_cis
+        if not isinstance(parts, tuple) or any(
+                not isinstance(t, torch.Tensor) or t.dim() < 2 or t.shape[1] != state.zig.seq for t in parts):
             raise ShardingError(
-                f"{where}: its output under context parallel is not (cos, sin) of [batch, seq, dim]; this RoPE "
-                "cannot be split over the sequence yet"
+                f"{where}: its output under context parallel is neither (cos, sin) nor one table of "
+                "[batch, seq, dim]; this RoPE cannot be split over the sequence yet"
             )
-        return tuple(t.index_select(1, state.zig.local) for t in out)
+        local = tuple(t.index_select(1, state.zig.local) for t in parts)
+        return local[0] if isinstance(out, torch.Tensor) else local
 
     module.forward = forward
