@@ -145,7 +145,7 @@ def train_broken(rank: int, world: int, path: str, data: dict[str, Any], how: st
 
         patch(state.CallState, "_build", upper_left)
 
-        def naive(q, k, v, scale, g, zig):  # the causal kernel on the gathered rows, SDPA's own alignment
+        def naive(q, k, v, scale, g, zig, whole):  # the causal kernel on the gathered rows, SDPA's own alignment
             from hp_lazy.runtime.comm import gather_kv
 
             kg, vg = gather_kv(k, v, g, 2)
@@ -226,3 +226,33 @@ def grad_norm(rank: int, world: int, path: str, data: dict[str, Any]) -> float:
         hp_lazy.parallelize(model)
     model(**data).loss.backward()
     return float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9))
+
+
+def traffic(rank: int, world: int, path: str, data: dict[str, Any], latent: bool = True) -> dict[str, Any]:
+    """Elements each rank sends into all-gathers and reduce-scatters over one fwd+bwd, and the loss
+    and gradients; ``latent=False`` takes MLA's latent gather off (K/V gathered as for any attention)."""
+    import hp_lazy
+    from hp_lazy.runtime.comm import wire
+
+    model = hp_lazy.parallelize(load(path))
+    if not latent:
+        for module in model.modules():
+            module.__dict__.pop("expand_kv", None)
+    sent: dict[str, int] = {}
+    originals = wire.all_gather, wire.reduce_scatter
+
+    def all_gather(x, g, dim, phase):
+        sent["all_gather"] = sent.get("all_gather", 0) + x.numel()
+        return originals[0](x, g, dim, phase)
+
+    def reduce_scatter(x, g, dim, phase):
+        sent["reduce_scatter"] = sent.get("reduce_scatter", 0) + x.numel() // g.size
+        return originals[1](x, g, dim, phase)
+
+    wire.all_gather, wire.reduce_scatter = all_gather, reduce_scatter
+    try:
+        out = model(**data)
+        out.loss.backward()
+    finally:
+        wire.all_gather, wire.reduce_scatter = originals
+    return {"sent": sent, "loss": out.loss.detach(), "grads": hp_lazy.full_grads(model)}

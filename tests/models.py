@@ -56,9 +56,9 @@ MORE_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
                                          "num_experts_per_tok": 2, "n_shared_experts": 1, "moe_intermediate_size": 16,
                                          "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
                                          "attention_bias": True}),
-    # MLA without a q LoRA (q_proj colwise), a dense model
+    # MLA without a q LoRA (q_proj colwise), a dense model; V heads wider than K heads (12 > 8)
     "minicpm3": ("MiniCPM3Config", {"q_lora_rank": None, "kv_lora_rank": 8, "qk_rope_head_dim": 4,
-                                    "qk_nope_head_dim": 4, "v_head_dim": 8}),
+                                    "qk_nope_head_dim": 4, "v_head_dim": 12}),
     # MLA with DeepSeek-V3 routing (sigmoid, a correction bias, a shared expert)
     "glm4_moe_lite": ("Glm4MoeLiteConfig", {"q_lora_rank": 16, "kv_lora_rank": 8, "qk_rope_head_dim": 4,
                                             "qk_nope_head_dim": 4, "v_head_dim": 8, "n_routed_experts": 4,

@@ -112,3 +112,23 @@ def test_stock_trainer_under_cp(ready, tmp_path) -> None:
     got = pool.run(trainwork.trainer, path, str(tmp_path / "hp"))
     trainwork.compare_trainer(got[0], ref)
     assert [g["total_batch"] for g in got] == [ref["total_batch"]] * 2
+
+
+def test_mla_gathers_the_compressed_latent(ready) -> None:
+    """MLA (DeepSeek-V2): the latent and the shared RoPE key travel (kv_lora_rank + qk_rope_head_dim
+    values per token), not the heads' expanded K/V; the same gradients as gathering K/V."""
+    pool, root = ready
+    path = models.build("deepseek_v2", root)
+    data = cpwork.batch("plain")
+    latent, expanded = pool.run(cpwork.traffic, path, data)[0], pool.run(cpwork.traffic, path, data, latent=False)[0]
+    extra = models.MORE_CONFIGS["deepseek_v2"][1]
+    layers, tokens = models.BASE["num_hidden_layers"], data["input_ids"].numel() // 2  # this rank's
+    heads = models.BASE["num_attention_heads"]
+    per_latent = extra["kv_lora_rank"] + extra["qk_rope_head_dim"]
+    per_kv = heads * (extra["qk_nope_head_dim"] + extra["qk_rope_head_dim"] + extra["v_head_dim"])
+    other = latent["sent"]["all_gather"] - layers * tokens * per_latent  # gathered outside attention: the same in both
+    assert expanded["sent"]["all_gather"] - other == 2 * layers * tokens * per_kv  # K/V forward, again in backward
+    assert latent["sent"]["reduce_scatter"] == layers * tokens * per_latent
+    assert expanded["sent"]["reduce_scatter"] == layers * tokens * per_kv
+    assert models.rel_err(latent["loss"], expanded["loss"]) <= parity.TOL
+    assert max(models.rel_err(latent["grads"][k], expanded["grads"][k]) for k in expanded["grads"]) <= parity.TOL

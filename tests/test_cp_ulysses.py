@@ -25,7 +25,8 @@ def root(tmp_path_factory) -> str:
 
 
 @pytest.mark.parametrize(("name", "kind"), [("llama_gqa", "plain"), ("qwen3", "plain"), ("qwen3_sliding", "packed"),
-                                            ("llama_gqa", "padded"), ("llama_dynamic", "plain")])
+                                            ("llama_gqa", "padded"), ("llama_dynamic", "plain"),
+                                            ("deepseek_v2", "plain"), ("minicpm3", "plain")])  # MLA (MiniCPM3: V wider than K)
 def test_ulysses_cp2(pool2: DistPool, root: str, name: str, kind: str) -> None:
     cpwork.check(_ready(pool2, 2), models.build(name, root), cpwork.batch(kind))
 

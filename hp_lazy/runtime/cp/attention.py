@@ -104,8 +104,8 @@ class _ZigzagCausal(torch.autograd.Function):
     """Causal attention of this rank's two zigzag chunks over the gathered K/V (CPU flash kernel)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, scale, g, zig):
-        kg, vg = _gather(k, v, g, "forward")
+    def forward(ctx, q, k, v, scale, g, zig, whole):
+        kg, vg = (k, v) if whole else _gather(k, v, g, "forward")
         groups = q.shape[1] // k.shape[1]
         keys = _expand(kg.index_select(2, zig.inverse), groups)
         values = _expand(vg.index_select(2, zig.inverse), groups)
@@ -128,14 +128,14 @@ class _ZigzagCausal(torch.autograd.Function):
             lses.append(lse)
         out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.scale, ctx.g, ctx.zig = scale, g, zig
+        ctx.scale, ctx.g, ctx.zig, ctx.whole = scale, g, zig, whole
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         zig, scale = ctx.zig, ctx.scale
-        kg, vg = _gather(k, v, ctx.g, "backward")
+        kg, vg = (k, v) if ctx.whole else _gather(k, v, ctx.g, "backward")
         groups = q.shape[1] // k.shape[1]
         keys = _expand(kg.index_select(2, zig.inverse), groups)
         values = _expand(vg.index_select(2, zig.inverse), groups)
@@ -153,30 +153,33 @@ class _ZigzagCausal(torch.autograd.Function):
                 dvalues[:, :, start:end] += gv
         dk = _fold(dkeys, groups).index_select(2, zig.gathered)  # back to the all-gather's row order
         dv = _fold(dvalues, groups).index_select(2, zig.gathered)
-        dk, dv = _scatter(dk, dv, ctx.g)
-        return dq, dk, dv, None, None, None
+        if not ctx.whole:
+            dk, dv = _scatter(dk, dv, ctx.g)
+        return dq, dk, dv, None, None, None, None
 
 
 class _GatheredAttention(torch.autograd.Function):
     """Attention of local queries over all-gathered K/V, saving only the local tensors."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, scale, g):
-        kg, vg = _gather(k, v, g, "forward")
+    def forward(ctx, q, k, v, mask, scale, g, whole):
+        kg, vg = (k, v) if whole else _gather(k, v, g, "forward")
         ctx.save_for_backward(q, k, v)
-        ctx.mask, ctx.scale, ctx.g = mask, scale, g
+        ctx.mask, ctx.scale, ctx.g, ctx.whole = mask, scale, g, whole
         return _attend(q, kg, vg, mask, scale)
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v = ctx.saved_tensors
-        kg, vg = _gather(k, v, ctx.g, "backward")
+        kg, vg = (k, v) if ctx.whole else _gather(k, v, ctx.g, "backward")
         with torch.enable_grad():
             q, kg, vg = (t.detach().requires_grad_() for t in (q, kg, vg))
             out = _attend(q, kg, vg, ctx.mask, ctx.scale)
             dq, dkg, dvg = torch.autograd.grad(out, (q, kg, vg), dout)
+        if ctx.whole:
+            return dq, dkg, dvg, None, None, None, None
         dk, dv = _scatter(dkg, dvg, ctx.g)
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, None
 
 
 def cp_attention(
@@ -215,14 +218,16 @@ def cp_attention(
     plain = causal and sliding_window is None and state.docs is None and state.key_padding is None
     if state.mode == "cp_ulysses":
         return _ulysses(where, query, key, value, state, causal, sliding_window, plain, scaling), None
+    # MLA: K/V expanded from the gathered latent (latent.py), the whole sequence in all-gather order
+    whole = key.shape[2] == state.zig.seq != query.shape[2]
     if plain and query.device.type == "cpu" and key.shape[-1] == value.shape[-1]:
-        out = _ZigzagCausal.apply(query, key, value, scaling, state.group, state.zig)
+        out = _ZigzagCausal.apply(query, key, value, scaling, state.group, state.zig, whole)
         return out.transpose(1, 2).contiguous(), None
     mask = state.mask(causal, sliding_window)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
-        out = _GatheredAttention.apply(query, key, value, mask, scaling, state.group)
+        out = _GatheredAttention.apply(query, key, value, mask, scaling, state.group, whole)
     else:
-        kg, vg = _gather(key, value, state.group, "forward")
+        kg, vg = (key, value) if whole else _gather(key, value, state.group, "forward")
         out = _attend(query, kg, vg, mask, scaling)
     return out.transpose(1, 2).contiguous(), None
 

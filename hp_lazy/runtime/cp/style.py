@@ -8,7 +8,8 @@ Bound per model (the walker calls it like every style, :mod:`hp_lazy.runtime.sty
 - ``finish``: the model's layer types must all be attention (full or sliding; linear-attention or
   recurrent layers mix tokens outside attention), every attention module must be one the plan
   names, the attention implementation becomes :data:`~hp_lazy.runtime.cp.attention.KEY`, RoPE
-  modules compute on the global positions (:mod:`.rope`), and the bound root gets the
+  modules compute on the global positions (:mod:`.rope`), MLA modules gather their compressed
+  latent instead of K/V (:mod:`.latent`), and the bound root gets the
   :class:`~hp_lazy.runtime.cp.entry.ContextEntry` that splits each call's batch.
 
 Gradients: every parameter is replicated over cp and each rank's backward gives its own tokens'
@@ -23,7 +24,7 @@ from hp_lazy.errors import ShardingError
 from hp_lazy.names import CP_ENTRY
 from hp_lazy.plan.model import Contract
 from hp_lazy.runtime.binding import Binding
-from hp_lazy.runtime.cp import attention, rope
+from hp_lazy.runtime.cp import attention, latent, rope
 from hp_lazy.runtime.cp.entry import ContextEntry
 from hp_lazy.runtime.style import BindContext
 
@@ -36,6 +37,7 @@ class ContextParallelStyle:
     def __init__(self) -> None:
         self.attention: dict[int, str] = {}
         self.kinds: set[str] = set()
+        self.latent: list[nn.Module] = []
 
     def validate(self, fqn: str, module: nn.Module, contract: Contract, ctx: BindContext) -> None:
         if contract.inner is None or not contract.inner.kind.startswith("cp_"):
@@ -56,6 +58,8 @@ class ContextParallelStyle:
                 )
         self.attention[id(module)] = fqn
         self.kinds.add(contract.inner.kind)
+        if contract.inner.kind == latent.MODE and latent.is_latent_attention(module):
+            self.latent.append(module)
 
     def replicas(self, fqn: str, module: nn.Module, contract: Contract, ctx: BindContext) -> dict[str, int]:
         return {}
@@ -99,6 +103,8 @@ class ContextParallelStyle:
         for name, module in root.named_modules():
             if rope.is_rotary(module):
                 rope.wrap_rotary(module, f"{name} ({family})")
+        for module in self.latent:  # MLA: gather the latent, not the expanded K/V
+            latent.wrap_expand_kv(module)
         if len(self.kinds) > 1:
             raise ShardingError(
                 f"{family}: its attention modules carry different cp inner ops {sorted(self.kinds)}; use one kind"
