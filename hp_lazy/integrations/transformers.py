@@ -22,9 +22,8 @@ Trainer does; ``_load_optimizer_and_scheduler`` reads it back with ``dcp.load`` 
 a checkpoint saved at another layout resumes too). ``resume_from_checkpoint`` then continues one
 process's run: the model from ``model.safetensors`` (full tensors, sliced on load), the optimizer
 and scheduler from there, RNG and data order as the Trainer keeps them. Refused, naming the fix: a
-checkpoint whose only optimizer state is a main-process ``optimizer.pt`` (rank 0's shards), and
-optimizer-state checkpoints of a model with experts cut over ep (their states are not presented
-as DTensors yet; ``save_only_model=True`` works).
+checkpoint whose only optimizer state is a main-process ``optimizer.pt`` (rank 0's shards). Expert
+slices cut over ep are presented the same way (on the expert mesh), so an ep model checkpoints too.
 """
 
 from __future__ import annotations
@@ -52,12 +51,11 @@ def install(module: ModuleType, degrees: Degrees) -> None:
     cls._save = _save(cls._save)
     cls._save_optimizer_and_scheduler = _save_optimizer(cls._save_optimizer_and_scheduler, degrees)
     cls._load_optimizer_and_scheduler = _load_optimizer(cls._load_optimizer_and_scheduler, degrees)
-    cls.train = _train(cls.train, degrees)
     setattr(cls, PATCHED, True)
 
 
 OPTIMIZER_DIR = "optimizer_dcp"
-"""Where, in a Trainer checkpoint, hp_lazy writes the optimizer state of a tp-sharded model."""
+"""Where, in a Trainer checkpoint, hp_lazy writes the optimizer state of a tp- or ep-sharded model."""
 _OPTIMIZER_PT = "optimizer.pt"
 _SCHEDULER_PT = "scheduler.pt"
 
@@ -75,26 +73,6 @@ def _sharded(trainer: Any, degrees: Degrees) -> Mapping[str, int] | None:
     if not (_cut_over(active, "tp") or _cut_over(active, "ep")) or not lowered(trainer.model):
         return None
     return active
-
-
-def _train(stock: Callable[..., Any], degrees: Degrees) -> Callable[..., Any]:
-    @functools.wraps(stock)
-    def train(self: Any, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
-        if _cut_over(_sharded(self, degrees), "ep"):
-            strategy = str(getattr(self.args.save_strategy, "value", self.args.save_strategy))
-            saves_optimizer = strategy != "no" and not self.args.save_only_model
-            if resume_from_checkpoint or saves_optimizer:
-                what = (f"resume_from_checkpoint={resume_from_checkpoint!r}" if resume_from_checkpoint else
-                        f"save_strategy={strategy!r} with save_only_model=False")
-                raise ShardingError(
-                    f"Trainer.train: {what} on an hp_lazy model whose experts are cut over ep: hp_lazy cannot "
-                    "checkpoint the optimizer state of ep-cut experts yet (torch.distributed.checkpoint sees tp "
-                    "cuts only); pass save_only_model=True (the model is saved whole by save_pretrained on every "
-                    "rank) or save_strategy='no'"
-                )
-        return stock(self, resume_from_checkpoint, *args, **kwargs)
-
-    return train
 
 
 def _optimizer_parts(trainer: Any) -> tuple[Any, Any]:

@@ -10,9 +10,14 @@ turns what a caller hands back into this rank's shard. Layouts, on the mesh's ``
     SS(d,k)  (packed)      _StridedShard(d, split_factor=k); DCP sees the k blocks as k chunks
     S(d), kept on m ranks  Shard(d) on a tp sub-mesh of n/m pieces x m copies (K/V heads)
 
-Every other mesh dim is ``Replicate``. Refused, naming the tensor: a parameter cut on more than one
-axis or on an axis outside the device mesh (``ep``), a packed piece kept on several ranks, and an
-optimizer state that is not shaped like its parameter's shard. Accepted on load: a DTensor laid out
+Every other mesh dim is ``Replicate``. Expert slices (cut on ``ep``, which is carved out of the
+token ranks ``dp * cp`` and is no dim of the world's mesh) are presented on an expert mesh
+``(edp, ep, tp)``: the token ranks regrouped into runs of ``ep`` (the ep groups) and their
+positions (the ranks holding the same slice), with tp as it is; an expert weight cut ``S(0)`` on
+ep and ``SS(-2,2)`` on tp is ``[Replicate, Shard(0), _StridedShard(-2, 2)]`` there, and DCP sees
+one chunk per (expert slice, packed block). Refused, naming the tensor: two axes cutting one dim,
+a packed piece kept on several ranks, and an optimizer state that is not shaped like its
+parameter's shard. Accepted on load: a DTensor laid out
 exactly as this rank's shard, or the full tensor (sliced here); a tensor of the shard's shape is
 refused (which rank's shard it is cannot be known; the old silent case).
 """
@@ -36,6 +41,8 @@ from hp_lazy.runtime.mesh import Mesh
 
 _SUB_MESHES: dict[tuple[int, int], Any] = {}
 """(id of the root device mesh, copies) -> its tp dim split into pieces x copies (built once)."""
+_EXPERT_MESHES: dict[int, Any] = {}
+"""id of the root device mesh -> its expert mesh ``(edp, ep, tp)`` (built once)."""
 
 
 def _fix(what: str) -> str:
@@ -54,10 +61,12 @@ class Presentation:
         self.table = table
         self.mesh = mesh
         self.device_mesh = mesh.device_mesh
-        self._specs: dict[str, tuple[Any, tuple[DPlacement, ...], AxisShard]] = {}
+        self._specs: dict[str, tuple[Any, tuple[DPlacement, ...], tuple[AxisShard, ...]]] = {}
         copies = sorted({cut.replicas for fqn in table for cut in _cuts(table, fqn) if cut.replicas > 1})
         for m in copies:  # a collective the first time: every rank binds the same table
             self._sub_mesh(m)
+        if any(cut.axis == "ep" for fqn in table for cut in _cuts(table, fqn)):
+            self._expert_mesh()  # a collective the first time, as above
 
     # -- save side
 
@@ -70,13 +79,13 @@ class Presentation:
                 f"{list(layout.local_shape)} ({layout.describe()} of {list(layout.full_shape)}); hp_lazy presents "
                 "only tensors shaped like the shard to torch.distributed.checkpoint; " + _fix("DCP")
             )
-        device_mesh, placements, cut = self._spec(fqn)
+        device_mesh, placements, cuts = self._spec(fqn)
         full = torch.Size(layout.full_shape)
         out = DTensor.from_local(
             local, device_mesh, placements, run_check=False, shape=full, stride=_contiguous_strides(full)
         )
-        if cut.blocks > 1:
-            _chunk_protocol(out, fqn, layout, cut)
+        if any(cut.blocks > 1 for cut in cuts):
+            _chunk_protocol(out, fqn, layout, cuts)
         return out
 
     # -- load side
@@ -113,8 +122,7 @@ class Presentation:
     def chunks(self, fqn: str) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
         """(offsets, sizes) in the full tensor of every block this rank holds."""
         layout = self._layout(fqn)
-        cut = self._spec(fqn)[2]
-        return [(off, size) for off, size, _ in _blocks(layout, cut)]
+        return [(off, size) for off, size, _ in _blocks(layout, self._spec(fqn)[2])]
 
     # -- layouts
 
@@ -124,19 +132,28 @@ class Presentation:
             raise ShardingError(f"{fqn}: not a sharded parameter of this model; this is a bug")
         return layout
 
-    def _spec(self, fqn: str) -> tuple[Any, tuple[DPlacement, ...], AxisShard]:
+    def _spec(self, fqn: str) -> tuple[Any, tuple[DPlacement, ...], tuple[AxisShard, ...]]:
         found = self._specs.get(fqn)
         if found is None:
             found = self._specs[fqn] = self._build_spec(fqn)
         return found
 
-    def _build_spec(self, fqn: str) -> tuple[Any, tuple[DPlacement, ...], AxisShard]:
+    def _build_spec(self, fqn: str) -> tuple[Any, tuple[DPlacement, ...], tuple[AxisShard, ...]]:
         layout = self._layout(fqn)
+        rank = len(layout.full_shape)
+        dims = [cut.dim % rank for cut in layout.shards]
+        if len(set(dims)) != len(dims):
+            raise ShardingError(
+                f"{fqn}: laid out {layout.describe()}; two axes cut the same dim, which hp_lazy cannot present to "
+                "checkpoints; " + _fix("model.state_dict()")
+            )
+        if layout.on("ep") is not None:
+            return self._expert_spec(fqn, layout)
         names = list(self.device_mesh.mesh_dim_names or ())
         if len(layout.shards) != 1 or layout.shards[0].axis not in names:
             raise ShardingError(
-                f"{fqn}: laid out {layout.describe()}; hp_lazy presents to checkpoints only parameters cut on one "
-                f"axis of the device mesh {names} (not yet ep, or two axes at once); " + _fix("model.state_dict()")
+                f"{fqn}: laid out {layout.describe()}; hp_lazy presents to checkpoints only parameters cut on ep "
+                f"and one axis of the device mesh {names}; " + _fix("model.state_dict()")
             )
         cut = layout.shards[0]
         if cut.blocks > 1 and cut.replicas > 1:
@@ -151,10 +168,47 @@ class Presentation:
             on_sub: tuple[DPlacement, ...] = tuple(
                 DShard(cut.dim) if i == piece else Replicate() for i in range(len(sub_names))
             )
-            return sub, on_sub, cut
-        one: DPlacement = _StridedShard(cut.dim, split_factor=cut.blocks) if cut.blocks > 1 else DShard(cut.dim)
-        placements = tuple(one if name == cut.axis else Replicate() for name in names)
-        return self.device_mesh, placements, cut
+            return sub, on_sub, (cut,)
+        placements = tuple(_placement(cut) if name == cut.axis else Replicate() for name in names)
+        return self.device_mesh, placements, (cut,)
+
+    def _expert_spec(self, fqn: str, layout: ParamLayout) -> tuple[Any, tuple[DPlacement, ...], tuple[AxisShard, ...]]:
+        if any(cut.replicas > 1 for cut in layout.shards):
+            raise ShardingError(
+                f"{fqn}: an expert weight laid out {layout.describe()} has a piece kept on several ranks, which "
+                "hp_lazy cannot present to checkpoints; " + _fix("model.state_dict()")
+            )
+        mesh = self._expert_mesh()
+        by_axis = {cut.axis: cut for cut in layout.shards}
+        placements = tuple(_placement(by_axis[name]) if name in by_axis else Replicate()
+                           for name in mesh.mesh_dim_names)
+        return mesh, placements, layout.shards
+
+    def _expert_mesh(self) -> Any:
+        """The token ranks regrouped as ``(edp, ep)`` — ``ep`` the ep groups, ``edp`` the ranks at
+        the same position of theirs (the same expert slice) — times ``tp``; dims of size 1 left out."""
+        found = _EXPERT_MESHES.get(id(self.device_mesh))
+        if found is not None:
+            return found
+        from torch.distributed.device_mesh import DeviceMesh
+
+        from hp_lazy.runtime.mesh import EDP
+
+        names = list(self.device_mesh.mesh_dim_names or ())
+        tokens = [i for i, name in enumerate(names) if name in ("dp", "cp")]
+        rest = [i for i in range(len(names)) if i not in tokens]
+        ep, tp = self.mesh.degree("ep"), self.mesh.degree("tp")
+        ranks = self.device_mesh.mesh.permute(*tokens, *rest).reshape(-1, ep, tp)
+        sizes = {EDP: int(ranks.shape[0]), "ep": ep, "tp": tp}
+        kept = [name for name, size in sizes.items() if size > 1]
+        groups = [self.mesh.group_of((EDP,)).pg if name == EDP else self.mesh.group(name).pg for name in kept]
+        assert all(pg is not None for pg in groups), "every kept dim has more than one rank"
+        found = DeviceMesh.from_group(
+            groups if len(groups) > 1 else groups[0], self.device_mesh.device_type,  # type: ignore[arg-type]
+            mesh=ranks.reshape(tuple(sizes[name] for name in kept)), mesh_dim_names=tuple(kept),
+        )
+        _EXPERT_MESHES[id(self.device_mesh)] = found
+        return found
 
     def _sub_mesh(self, copies: int) -> Any:
         key = (id(self.device_mesh), copies)
@@ -186,31 +240,48 @@ def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def _blocks(layout: ParamLayout, cut: AxisShard) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
-    """(offsets, sizes, start in the local tensor) of each contiguous block this rank holds."""
+def _placement(cut: AxisShard) -> DPlacement:
+    return _StridedShard(cut.dim, split_factor=cut.blocks) if cut.blocks > 1 else DShard(cut.dim)
+
+
+def _blocks(
+    layout: ParamLayout, cuts: tuple[AxisShard, ...]
+) -> list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
+    """(offsets and sizes in the full tensor, start in the local tensor) of each contiguous block
+    this rank holds: every combination of each cut's blocks (the cuts are on different dims)."""
     full = layout.full_shape
-    block = full[cut.dim] // cut.blocks
-    piece = block // cut.pieces
-    out = []
-    for b in range(cut.blocks):
-        offsets = [0] * len(full)
-        offsets[cut.dim] = b * block + cut.piece * piece
-        sizes = list(layout.local_shape)
-        sizes[cut.dim] = piece
-        out.append((tuple(offsets), tuple(sizes), b * piece))
-    return out
+    out: list[tuple[list[int], list[int], list[int]]] = [([0] * len(full), list(layout.local_shape), [0] * len(full))]
+    for cut in cuts:
+        dim = cut.dim % len(full)
+        block = full[dim] // cut.blocks
+        piece = block // cut.pieces
+        grown = []
+        for offsets, sizes, starts in out:
+            for b in range(cut.blocks):
+                o, z, st = list(offsets), list(sizes), list(starts)
+                o[dim], z[dim], st[dim] = b * block + cut.piece * piece, piece, b * piece
+                grown.append((o, z, st))
+        out = grown
+    return [(tuple(o), tuple(z), tuple(st)) for o, z, st in out]
+
+
+def _narrowed(local: torch.Tensor, starts: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
+    for dim, (start, size) in enumerate(zip(starts, sizes, strict=True)):
+        if size != local.shape[dim]:
+            local = local.narrow(dim, start, size)
+    return local
 
 
 def _chunks(value: DTensor) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     return [(tuple(c.offsets), tuple(c.sizes)) for c in value.__create_chunk_list__()]
 
 
-def _chunk_protocol(out: DTensor, fqn: str, layout: ParamLayout, cut: AxisShard) -> None:
+def _chunk_protocol(out: DTensor, fqn: str, layout: ParamLayout, cuts: tuple[AxisShard, ...]) -> None:
     """DCP's view of a packed shard: one chunk per block (torch's own DCP code describes a
     ``_StridedShard`` as one contiguous chunk, which would overlap and misplace the blocks)."""
-    blocks = _blocks(layout, cut)
+    blocks = _blocks(layout, cuts)
     local = out._local_tensor
-    views = {off: local.narrow(cut.dim, start, size[cut.dim]) for off, size, start in blocks}
+    views = {off: _narrowed(local, start, size) for off, size, start in blocks}
 
     def chunk_list() -> list[ChunkStorageMetadata]:
         return [ChunkStorageMetadata(offsets=torch.Size(off), sizes=torch.Size(size)) for off, size, _ in blocks]
