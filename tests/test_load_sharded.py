@@ -13,6 +13,8 @@ import torch
 from dist import DistPool, pool_fixture
 
 pool2 = pool_fixture(2, timeout=120)
+pool_ep = pool_fixture(2, timeout=120)
+pool_ep_tp = pool_fixture(4, timeout=180)
 
 
 def _loaded(rank: int, world: int, path: str, dtype: str) -> dict:
@@ -88,3 +90,25 @@ def test_binding_a_submodule_of_a_model_laid_out_on_load_is_refused(pool2: DistP
         "LlamaModel: from_pretrained laid this module out as part of LlamaForCausalLM (its parameters are "
         "already this rank's shards); call parallelize on that top-level model"
     ] * 2
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v2"])
+def test_expert_slices_are_read_on_their_own_ranks(pool_ep: DistPool, refs, name: str) -> None:
+    """ep=2: each rank reads half of every layer's experts (DTensors on the expert mesh)."""
+    import epwork
+
+    path, _ = refs(name)
+    got = parity.once(pool_ep, epwork.activate, ep=2).run(_loaded, path, "float32")
+    assert all(any("experts" in n for n in g["shards"]) for g in got)
+    _check(got, path, "float32")
+
+
+def test_expert_slices_under_ep_and_tp_are_read_on_their_own_ranks(pool_ep_tp: DistPool, refs) -> None:
+    """ep=2 x tp=2: experts cut on ep and, the packed gate_up as two blocks, on tp."""
+    import epwork
+
+    path, _ = refs("qwen3_moe8")
+    got = parity.once(pool_ep_tp, epwork.activate, ep=2, tp=2).run(_loaded, path, "float32")
+    layouts = got[0]["layouts"]["model.layers.0.mlp.experts.gate_up_proj"]
+    assert [cut.axis for cut in layouts.shards] == ["ep", "tp"] and layouts.shards[1].blocks == 2
+    _check(got, path, "float32")

@@ -13,9 +13,10 @@ a view of the whole tensor's mapping: it is copied).
 Missing keys, initialisation and weight tying then run as usual on local shapes; the first forward
 (or ``hp_lazy.parallelize``) adds the gradient owner.
 
-Left to the old path (full load, shard at the first forward): a state dict passed in, ``.bin``
-checkpoints (their tensors are read whole), quantizers, expert-parallel plans (an ep cut has no
-device-mesh dim to present it on yet), and a ``device_map`` (its placement is
+Expert slices (cut on ``ep``, and on ``tp`` too) are presented on the expert mesh
+(:mod:`.present`), so each rank reads only its experts. Left to the old path (full load, shard at
+the first forward): a state dict passed in, ``.bin`` checkpoints (their tensors are read whole),
+quantizers, and a ``device_map`` (its placement is
 transformers'; with tp each rank's device is ``LOCAL_RANK``'s, set before loading).
 """
 
@@ -71,8 +72,6 @@ def _shard_on_read(model: nn.Module, state_dict: Any, files: Any, load_config: A
     plans = [found[0].plan for m in model.modules() if (found := registry.lowered_for(type(m))) is not None]
     if not any(degree > 1 for plan in plans for degree in dict(plan.mesh).values()):
         return False  # nothing is cut (data parallel alone): the plain load is the sharded one
-    if any(dict(plan.mesh).get("ep", 1) > 1 for plan in plans):
-        return False  # expert slices are not presented as DTensors yet: full load, cut at the first forward
     return any(p.is_meta for p in model.parameters())
 
 
