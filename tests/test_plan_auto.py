@@ -292,3 +292,13 @@ def test_unknown_styles_name_key_and_string(monkeypatch: pytest.MonkeyPatch) -> 
     text = toy_error(monkeypatch, {"layers.*.mlp.experts": "mla_kv_a_proj"})  # only inside an attention pair
     assert "['layers.*.mlp.experts'] = 'mla_kv_a_proj' is not inside a module that encloses a colwise -> " \
            "rowwise pair" in text
+
+
+def test_expert_parallel_at_tp1_reads_no_tp_strings() -> None:
+    """At tp=1 nothing is cut over tp: a TP string Plan.auto cannot translate (HY-V4's attention
+    'local_params') does not stop ep, which the ep plan alone places; at tp=2 it is refused."""
+    plan = Plan.auto(tp=1, ep=2).slice(*source("hy_v4"))
+    assert [c.pattern for c in plan.contracts] == ["model.layers.*.mlp.experts"]
+    assert plan.contracts[0].to_dict()["region"] == {"kind": "ep_dispatch"}
+    with pytest.raises(PlanError, match=r"\['layers.\*.self_attn'\] = 'local_params' is not a style"):
+        Plan.auto(tp=2, ep=2).slice(*source("hy_v4"))

@@ -106,10 +106,13 @@ class _Builder:
         self.bodies: dict[str, tuple[dict, str]] = {}
 
     def build(self, rules: list[Rule], ep_rules: list[Rule] | None = None) -> tuple[Contract, ...]:
-        if self.mesh["tp"] == 1 and self.inner is not None and not ep_rules:
-            # context parallel alone shards nothing over tp: the TP plan only locates the attention
-            # modules, and strings Plan.auto cannot translate for tp do not matter
-            self._attention_only(rules)
+        if self.mesh["tp"] == 1 and (self.inner is not None or ep_rules):
+            # context and expert parallel at tp=1 shard nothing over tp: the TP plan only locates the
+            # attention modules (cp), and strings Plan.auto cannot translate for tp do not matter
+            if self.inner is not None:
+                self._attention_only(rules)
+            self._expert_parallel(ep_rules or [])
+            self._check_nesting()
             return tuple(contract_from_dict(p, body, self.mesh) for p, (body, _) in sorted(self.bodies.items()))
         for rule in rules:
             if not isinstance(rule.style, str) or rule.style not in SUPPORTED:
