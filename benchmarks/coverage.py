@@ -20,7 +20,16 @@ tp=1): each rank's logits are joined with ``hp_lazy.gather_sequence`` (the hidde
 of the joined states), and a ``ShardingError`` that refuses what context parallel cannot split
 counts as ``unsupported``, with its reason.
 
-    python benchmarks/coverage.py [--families llama,qwen3] [--jobs 1] [--timeout 300] [--out FILE] [--cp 2]
+With ``--ep 2`` the sweep covers the families whose configuration declares a non-empty
+``base_model_ep_plan`` and the ranks activate ``hp_lazy.activate("auto", ep=2)`` (expert parallel,
+tp=1; the two ranks are data parallel): rank r feeds row r of the reference's 2-row batch, the
+logits (or hidden states) are concatenated over the ranks and the loss is the mean of the ranks'
+losses (equal token counts per row, so one process's mean); the gradients, which hp_lazy averages
+over dp, are compared whole (``full_grads`` gathers the expert shards) and each rank's local expert
+shard against its slice (``chunk(2)[rank]`` along dim 0) of the reference gradient. Any PlanError or
+ShardingError raised under ep counts as ``unsupported``, with its reason.
+
+    python benchmarks/coverage.py [--families llama,qwen3] [--jobs 1] [--timeout 300] [--out FILE] [--cp 2 | --ep 2]
 """
 
 from __future__ import annotations
@@ -58,12 +67,17 @@ def transformers_dir() -> str:
     return os.path.dirname(transformers.__file__)
 
 
+_EP_PLAN = re.compile(r"^\s*base_model_ep_plan[^=\n]*=\s*\{", re.M)
+
+
 def families() -> list[str]:
-    """Families with a configuration_*.py that declares ``base_model_tp_plan``."""
+    """Families with a configuration_*.py that declares ``base_model_tp_plan`` (under ``--ep``: a
+    non-empty ``base_model_ep_plan``)."""
     found = set()
     for path in glob.glob(os.path.join(transformers_dir(), "models", "*", "configuration_*.py")):
         with open(path, encoding="utf-8") as f:
-            if "base_model_tp_plan" in f.read():
+            text = f.read()
+            if (_EP_PLAN.search(text) if _ep() > 1 else "base_model_tp_plan" in text):
                 found.add(os.path.basename(os.path.dirname(path)))
     return sorted(found)
 
@@ -80,7 +94,8 @@ def short_plan_error(text: str) -> str:
 def precheck(family: str) -> Row | None:
     """``Plan.auto``'s verdict on ``modeling_<family>.py`` (pure: no torch, no hook)."""
     from hp_lazy.errors import PlanError
-    from hp_lazy.plan.auto import auto_contracts
+    from hp_lazy.plan.auto import auto_contracts, auto_parts
+    from hp_lazy.plan.model import AutoFlags
 
     path = os.path.join(transformers_dir(), "models", family, f"modeling_{family}.py")
     if not os.path.exists(path):
@@ -89,7 +104,13 @@ def precheck(family: str) -> Row | None:
         source = f.read()
     try:
         name = f"transformers.models.{family}.modeling_{family}"
-        contracts = auto_contracts(name, source, tp=1, cp=_cp()) if _cp() > 1 else auto_contracts(name, source, tp=2)
+        if _ep() > 1:
+            parts = auto_parts(name, source, AutoFlags(tp=1, ep=_ep()))
+            contracts = None if parts is None else parts[0]
+        elif _cp() > 1:
+            contracts = auto_contracts(name, source, tp=1, cp=_cp())
+        else:
+            contracts = auto_contracts(name, source, tp=2)
     except PlanError as exc:
         return Row(family, "unsupported", short_plan_error(str(exc)))
     if not contracts:
@@ -286,6 +307,8 @@ def _write_error(path: str, exc: BaseException) -> None:
     reason = short_plan_error(str(exc)) if kind == "plan" else _first_line(exc)
     if isinstance(exc, ShardingError) and "context parallel" in str(exc) and _cp() > 1:
         kind, reason = "plan", str(exc)[:300]
+    if isinstance(exc, (PlanError, ShardingError)) and _ep() > 1:
+        kind, reason = "plan", _first_line(exc)
     with open(path, "w", encoding="utf-8") as f:
         json.dump({"kind": kind, "reason": reason}, f)
 
@@ -294,13 +317,17 @@ def _cp() -> int:
     return int(os.environ.get("HP_COVERAGE_CP", "1"))
 
 
-def _step(model: Any, mode: str, join: Any = None) -> tuple[Any, Any]:
-    """One forward + backward on fixed ids: (logits or last hidden state, loss). ``join`` (context
-    parallel): this rank's rows -> the whole sequence."""
+def _ep() -> int:
+    return int(os.environ.get("HP_COVERAGE_EP", "1"))
+
+
+def _step(model: Any, mode: str, join: Any = None, rows: slice = slice(None)) -> tuple[Any, Any]:
+    """One forward + backward on fixed ids (``rows`` of them): (logits or last hidden state, loss).
+    ``join`` (context parallel): this rank's rows -> the whole sequence."""
     import torch
 
     join = join or (lambda t: t)
-    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))[rows]
     if mode == "hidden":
         kwargs = {"decoder_input_ids": ids} if getattr(model.config, "is_encoder_decoder", False) else {}
         out = model(input_ids=ids, **kwargs)
@@ -352,7 +379,9 @@ def child_rank(family: str, workdir: str) -> None:
     try:
         import hp_lazy
 
-        if _cp() > 1:
+        if _ep() > 1:
+            hp_lazy.activate("auto", ep=_ep())
+        elif _cp() > 1:
             hp_lazy.activate("auto", cp=_cp())
         else:
             hp_lazy.activate("auto", tp=2)
@@ -373,13 +402,32 @@ def child_rank(family: str, workdir: str) -> None:
         table = model.__dict__["_hp_layout"]
         sharded = sum(1 for name, _ in model.named_parameters() if table is not None and name in table)
         total = sum(1 for _ in model.parameters())
-        out, loss = _step(model, meta["mode"], hp_lazy.gather_sequence if _cp() > 1 else None)
+        rows = slice(rank, rank + 1) if _ep() > 1 else slice(None)
+        out, loss = _step(model, meta["mode"], hp_lazy.gather_sequence if _cp() > 1 else None, rows)
+        local = {}
+        if _ep() > 1:
+            out, loss = _join_dp(out, loss)
+            local = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
         grads = hp_lazy.full_grads(model)
+        local = {n: g for n, g in local.items() if n in grads and g.shape != grads[n].shape}
     except BaseException as exc:  # noqa: BLE001
         _write_error(os.path.join(workdir, f"err{rank}.json"), exc)
         raise
-    torch.save({"out": out, "loss": loss, "grads": grads, "sharded": sharded, "total": total},
+    torch.save({"out": out, "loss": loss, "grads": grads, "sharded": sharded, "total": total, "local": local},
                os.path.join(workdir, f"got{rank}.pt"))
+
+
+def _join_dp(out: Any, loss: Any) -> tuple[Any, Any]:
+    """Expert parallel: this rank's rows -> the global batch's (logits or hidden states
+    concatenated in rank order, the mean of the ranks' losses)."""
+    import torch
+    import torch.distributed as tdist
+
+    parts = [torch.empty_like(out) for _ in range(tdist.get_world_size())]
+    tdist.all_gather(parts, out.contiguous())
+    loss = loss.clone()
+    tdist.all_reduce(loss)
+    return torch.cat(parts, dim=0), loss / tdist.get_world_size()
 
 
 # -- driver ------------------------------------------------------------------------------------
@@ -501,13 +549,15 @@ def _compare(family: str, workdir: str) -> Row:
             if diff:
                 return Row(family, "fail", f"gradient sets differ: {sorted(diff)[:3]}")
             errs.update({f"grad {n}": rel_err(got["grads"][n], g) for n, g in ref["grads"].items()})
+        for n, g in got.get("local", {}).items():  # this rank's expert shard vs its slice
+            errs[f"local grad {n}"] = rel_err(g, ref["grads"][n].chunk(2, dim=0)[r])
         name, err = max(errs.items(), key=lambda kv: kv[1])
         worst = max(worst, (err, f"rank {r} {name}"))
         if r == 0:
             share = f"{got['sharded']}/{got['total']} params sharded"
     if worst[0] > TOL:
         return Row(family, "fail", f"{worst[1]}: rel err {worst[0]:.2e}")
-    if share.startswith("0/") and _cp() == 1:
+    if share.startswith("0/") and _cp() == 1:  # tp, or ep: some expert parameter must be cut
         return Row(family, "fail", f"parity holds but nothing was sharded ({share})")
     return Row(family, "pass", f"{share}, max rel err {worst[0]:.1e}")
 
@@ -515,16 +565,22 @@ def _compare(family: str, workdir: str) -> Row:
 # -- report ------------------------------------------------------------------------------------
 def render(rows: list[Row]) -> str:
     counts = {s: sum(r.status == s for r in rows) for s in STATUSES}
+    mode = "ep=2" if _ep() > 1 else "cp=2" if _cp() > 1 else "tp=2"
+    out = {"ep=2": "--ep 2 --out benchmarks/coverage_ep.md", "cp=2": "--cp 2 --out benchmarks/coverage_cp.md",
+           "tp=2": "--out benchmarks/coverage.md"}[mode]
+    plan = "a non-empty `base_model_ep_plan`" if _ep() > 1 else "`base_model_tp_plan`"
+    split = (" Under ep each rank feeds one of the reference's 2 rows (data parallel); logits joined over the "
+             "ranks, loss the ranks' mean, expert shards also checked against their slice of the reference "
+             "gradient." if _ep() > 1 else "")
     lines = [
-        f"# hp_lazy `activate(\"auto\", {'cp=2' if _cp() > 1 else 'tp=2'})` coverage",
+        f"# hp_lazy `activate(\"auto\", {mode})` coverage",
         "",
-        f"transformers families whose configuration declares `base_model_tp_plan`: {len(rows)}; "
+        f"transformers families whose configuration declares {plan}: {len(rows)}; "
         + ", ".join(f"{s} {n}" for s, n in counts.items()) + ".",
         "",
         "Tiny configs (hidden 32, 2-4 layers, 4 heads, 2 kv heads, vocab 128), 2 gloo ranks on CPU; "
         "logits (or last hidden state), loss and every gradient vs one process, relative max error "
-        f"<= {TOL:g}. Generated by `python benchmarks/coverage.py "
-        f"{'--cp 2 --out benchmarks/coverage_cp.md' if _cp() > 1 else '--out benchmarks/coverage.md'}`.",
+        f"<= {TOL:g}.{split} Generated by `python benchmarks/coverage.py {out}`.",
         "",
         "| family | status | reason |",
         "|---|---|---|",
@@ -543,6 +599,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="float32", choices=("float32", "float64"),
                         help="dtype of every run (float64 tells round-off from a wrong gradient)")
     parser.add_argument("--cp", type=int, default=1, choices=(1, 2), help="2: context parallel (cp=2) instead of tp=2")
+    parser.add_argument("--ep", type=int, default=1, choices=(1, 2), help="2: expert parallel (ep=2, dp=2) instead of tp=2")
     parser.add_argument("--_ref", nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--_rank", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -554,6 +611,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     os.environ["HP_COVERAGE_DTYPE"] = args.dtype
     os.environ["HP_COVERAGE_CP"] = str(args.cp)
+    os.environ["HP_COVERAGE_EP"] = str(args.ep)
+    if args.ep > 1 and args.cp > 1:
+        parser.error("--ep and --cp are separate sweeps")
     names = [f for f in args.families.split(",") if f] or families()
     rows: dict[str, Row] = {}
     with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as pool:
