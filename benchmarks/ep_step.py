@@ -9,10 +9,29 @@ weights, seed 0, nothing downloaded). Fresh processes run, alternately, ``--repe
                 its ``batch / W`` rows and holds ``1 / W`` of the experts (all-to-all dispatch)
   experts-TP    ``hp_lazy.activate("auto", tp=W)``: every rank runs the whole batch through its
                 slice of every expert (transformers' ``moe_tp_experts``)
+  transformers ep_plan
+                no hp_lazy: ``from_pretrained(path, distributed_config=DistributedConfig(ep_size=W,
+                fsdp_size=W))``, transformers 5.24's own expert parallel (the config's
+                ``base_model_ep_plan``, ``ep_dispatch_experts`` with all-to-all token dispatch,
+                experts DTensors ``Shard(0)`` on ep) with FSDP2 over the dense parameters on the same
+                W ranks; the same batch split as ``ep`` (every rank its ``batch / W`` rows)
+
+transformers accepts no EP-only layout at world W > 1: ``DistributedConfig(ep_size=W)`` raises
+``ValueError: `ep_size` must divide `fsdp_size * tp_size`.`` (EP is carved out of fsdp x tp, and
+both default to 1); ``from_pretrained(path, tp_plan="auto", distributed_config=DistributedConfig(
+enable_expert_parallel=True))`` raises ``ValueError: Pass either `distributed_config` or the
+standalone `tp_plan`/`tp_size` arguments, not both.``; the deprecated ``enable_expert_parallel=True``
+alone resolves ``ep_size = tp_size = 1`` (no EP); ``DistributedConfig(ep_size=W, tp_size=W,
+tp_plan={})`` is refused for a config with a TP plan left empty. The layouts it accepts at world 2
+on gloo/CPU are ``ep_size=2, fsdp_size=2`` (run here: data parallel like hp_lazy's ep) and
+``tp_plan="auto", enable_expert_parallel=True`` (tp=2 and ep=2 on the same ranks, every rank the
+whole batch: experts-TP's layout, not run).
 
 Reported per variant: the median fwd+bwd step (the slowest rank's), its ratio to one process, the
-collectives of one step (``hp_lazy.collective_counter``) and the expert parameters held per rank.
-transformers' own ``ep_plan`` is not run here (it needs its distributed_config set up; to do).
+relative error of the step's loss against one process's (the mean of the ranks' losses; each rank's
+rows hold the same number of tokens), the collectives of one step (``hp_lazy.collective_counter``;
+transformers' DTensor/FSDP2 collectives are not counted: "-") and the expert parameters held per
+rank (local shards).
 
     python benchmarks/ep_step.py                       # a few minutes on 2 cores
     python benchmarks/ep_step.py --repeats 1 --steps 2
@@ -29,7 +48,8 @@ import tempfile
 import time
 from typing import Any
 
-VARIANTS = ("one process", "ep", "experts-TP")
+VARIANTS = ("one process", "ep", "experts-TP", "transformers ep_plan")
+SPLIT = ("ep", "transformers ep_plan")  # variants where every rank feeds its batch / W rows
 
 
 def _args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -62,20 +82,34 @@ def _build(args: argparse.Namespace, root: str) -> str:
     return path
 
 
-def _run(model, ids, steps: int, barrier) -> float:
-    times = []
+def _run(model, ids, steps: int, barrier) -> tuple[float, float]:
+    """(median step time, the first step's loss): no optimizer step, so every step's loss is the same."""
+    times, losses = [], []
     for _ in range(steps + 1):  # the first is a warm-up
         barrier()
         start = time.perf_counter()
-        model(input_ids=ids, labels=ids).loss.backward()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
         for p in model.parameters():
             p.grad = None
         times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
+        losses.append(float(loss.detach()))
+    return statistics.median(times[1:]), losses[0]
 
 
 def _expert_bytes(model) -> int:
-    return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." in n)
+    local = [getattr(p, "to_local", lambda p=p: p)() for n, p in model.named_parameters() if ".experts." in n]
+    return sum(t.numel() * t.element_size() for t in local)
+
+
+def _load_transformers_ep(path: str, world: int):
+    """transformers' own expert parallel: ep=W over W data-parallel (FSDP2) ranks."""
+    import torch
+    import transformers
+    from transformers.distributed import DistributedConfig
+
+    config = DistributedConfig(ep_size=world, fsdp_size=world)
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, distributed_config=config)
 
 
 def _worker(rank: int, world: int, variant: str, path: str, args: argparse.Namespace, port: int, queue: Any) -> None:
@@ -88,11 +122,22 @@ def _worker(rank: int, world: int, variant: str, path: str, args: argparse.Names
         import transformers
 
         model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        queue.put((rank, (_run(model, ids, args.steps, lambda: None), {}, _expert_bytes(model))))
+        step, loss = _run(model, ids, args.steps, lambda: None)
+        queue.put((rank, (step, {}, _expert_bytes(model), loss)))
         return
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       LOCAL_RANK=str(rank), GLOO_SOCKET_IFNAME="lo")
     torch.set_num_threads(1)
+    if variant in SPLIT:
+        per = args.batch // world
+        ids = ids[rank * per : (rank + 1) * per]
+    if variant == "transformers ep_plan":
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        model = _load_transformers_ep(path, world)
+        _report(queue, rank, world, _run(model, ids, args.steps, dist.barrier), {}, _expert_bytes(model))
+        return
     import hp_lazy
 
     hp_lazy.activate("auto", **({"ep": world} if variant == "ep" else {"tp": world}))
@@ -100,20 +145,25 @@ def _worker(rank: int, world: int, variant: str, path: str, args: argparse.Names
     import transformers
 
     model = hp_lazy.parallelize(transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
-    if variant == "ep":
-        per = args.batch // world
-        ids = ids[rank * per : (rank + 1) * per]
     with hp_lazy.collective_counter() as counter:
         model(input_ids=ids, labels=ids).loss.backward()
     counts = {phase: counter.by_phase(phase) for phase in ("forward", "backward")}
-    step = _run(model, ids, args.steps, dist.barrier)
-    slowest = torch.tensor([step])
+    _report(queue, rank, world, _run(model, ids, args.steps, dist.barrier), counts, _expert_bytes(model))
+
+
+def _report(queue: Any, rank: int, world: int, run: tuple[float, float], counts: dict, experts: int) -> None:
+    """Send (the slowest rank's step, counts, expert bytes, the mean of the ranks' losses)."""
+    import torch
+    import torch.distributed as dist
+
+    slowest, loss = torch.tensor([run[0]]), torch.tensor([run[1]], dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    queue.put((rank, (float(slowest), counts, _expert_bytes(model))))
+    dist.all_reduce(loss)
+    queue.put((rank, (float(slowest), counts, experts, float(loss) / world)))
     dist.destroy_process_group()
 
 
-def _launch(args: argparse.Namespace, variant: str, path: str) -> tuple[float, dict, int]:
+def _launch(args: argparse.Namespace, variant: str, path: str) -> tuple[float, dict, int, float]:
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -138,21 +188,25 @@ def main(argv: list[str] | None = None) -> int:
     print(f"world {args.world}; Qwen3-MoE hidden {args.hidden}, {args.layers} layers, {args.experts} experts top-2 "
           f"(size {args.expert_size}), batch {args.batch} x {args.seq}, fp32, {args.steps} steps x {args.repeats} "
           "repeats (medians)\n")
-    print("| variant | step s | step / one process | collectives per step (fwd; bwd) | expert MiB per rank |")
-    print("|---|---|---|---|---|")
+    print("| variant | step s | step / one process | loss rel err vs one process | collectives per step (fwd; bwd) "
+          "| expert MiB per rank |")
+    print("|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as root:
         path = _build(args, root)
-        runs: dict[str, list[tuple[float, dict, int]]] = {v: [] for v in VARIANTS}
+        runs: dict[str, list[tuple[float, dict, int, float]]] = {v: [] for v in VARIANTS}
         for _ in range(args.repeats):
             for variant in VARIANTS:
                 runs[variant].append(_launch(args, variant, path))
         base = statistics.median(r[0] for r in runs["one process"])
+        ref_loss = runs["one process"][0][3]
         for variant in VARIANTS:
             step = statistics.median(r[0] for r in runs[variant])
             counts, experts = runs[variant][0][1], runs[variant][0][2]
+            loss_err = max(abs(r[3] - ref_loss) for r in runs[variant]) / abs(ref_loss)
             shown = "; ".join(", ".join(f"{k} {v}" for k, v in sorted(counts.get(ph, {}).items())) or "-"
                               for ph in ("forward", "backward"))
-            print(f"| {variant} | {step:.3f} | {step / base:.2f} | {shown} | {experts / 2**20:.2f} |", flush=True)
+            print(f"| {variant} | {step:.3f} | {step / base:.2f} | {loss_err:.1e} | {shown} | {experts / 2**20:.2f} |",
+                  flush=True)
     return 0
 
 
