@@ -42,6 +42,7 @@ __all__ = [
     "activate",
     "clip_grad_norm_",
     "deactivate",
+    "expert_load",
     "full_grads",
     "full_state_dict",
     "gather_sequence",
@@ -168,6 +169,17 @@ def full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
     from hp_lazy.runtime.state import full_grads as gather
 
     return gather(model)
+
+
+def expert_load(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Router FQN -> per-expert token counts ``[E]`` (int64) of the last forward over the global
+    batch: summed over the ranks holding different tokens (``dp * cp``), equal on every rank; one
+    all-reduce for all layers (a collective). For aux-loss-free balancing of ``e_score_correction_bias``
+    under expert parallel: counts from this rank's own top-k indices differ between ranks."""
+    from hp_lazy.runtime.ep import load
+
+    loads = load.recorded(model)
+    return load.summed(loads, mesh().group_of(("dp", "cp")))
 
 
 def gather_sequence(tensor: torch.Tensor, dim: int = 1) -> torch.Tensor:

@@ -43,6 +43,8 @@ CP_ENTRY = "_hp_cp_entry"
 """Bound root's ``__dict__`` key: its context-parallel :class:`~hp_lazy.runtime.cp.entry.ContextEntry`."""
 EP_DISPATCH = "_hp_ep"
 """Experts module under expert parallel: its :class:`~hp_lazy.runtime.ep.dispatch.Dispatch` (group, expert counts)."""
+EP_LOAD = "_hp_ep_load"
+"""Experts module under expert parallel: this rank's per-expert (token, slot) counts ``[E]`` of its last forward."""
 INPUT_CHECK = "_hp_input_check"
 """Bound root's ``__dict__`` key: its :class:`~hp_lazy.runtime.inputs.InputCheck`."""
 PATCHED = "_hp_patched"
@@ -66,6 +68,6 @@ OPTIM_ADOPTED = "_hp_adopted"
 
 GENERATED: frozenset[str] = frozenset({RT, INFO, BINDING, FORM, OUT, CALL})
 ATTACHED: frozenset[str] = frozenset(
-    {BOUND, LAYOUT_ATTR, GRADS_ATTR, LEAF_INPUTS, VOCAB_RANGE, INPUT_CHECK, CP_ENTRY, EP_DISPATCH, PATCHED,
+    {BOUND, LAYOUT_ATTR, GRADS_ATTR, LEAF_INPUTS, VOCAB_RANGE, INPUT_CHECK, CP_ENTRY, EP_DISPATCH, EP_LOAD, PATCHED,
      OPTIM_ADOPTED, LAID_OUT, LEAF, WATCH, ADAPTER_HOOKS, LAZY_HOOK, LAZY_INIT}
 )

@@ -234,3 +234,71 @@ def check(pool, path: str, impl: str = "grouped_mm") -> tuple[list[dict[str, Any
         assert models.rel_err(got["logits"], ref["logits"]) <= parity.TOL
     parity.compare(results[0], ref)
     return results, ref
+
+
+def _router_loads(model) -> dict[str, Any]:
+    """The naive per-expert load: forward hooks on every router with an ``e_score_correction_bias``
+    counting the top-k indices of this process's tokens (its last forward)."""
+    import torch
+
+    loads: dict[str, Any] = {}
+    for name, module in model.named_modules():
+        bias = getattr(module, "e_score_correction_bias", None)
+        if isinstance(bias, torch.Tensor):
+            def hook(m, args, out, name=name):
+                loads[name] = torch.bincount(out[2].reshape(-1), minlength=m.e_score_correction_bias.numel())
+            module.register_forward_hook(hook)
+    return loads
+
+
+def balance(model, data: dict[str, Any], *, rows=None, load_of=None, steps: int = 3,
+            rate: float = 1e-3) -> dict[str, Any]:
+    """Aux-loss-free balancing (DeepSeek-V3): after each of ``steps`` SGD+wd steps on ``data`` (its
+    rows ``rows``), ``bias += rate * sign(mean_load - load)`` for every router, the load from
+    ``load_of(model)`` (default: the naive counts of this process's tokens)."""
+    import torch
+
+    mine = data if rows is None else {k: v[rows] for k, v in data.items()}
+    naive = _router_loads(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, weight_decay=0.01)
+    loads_seen = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        model(**mine).loss.backward()
+        optimizer.step()
+        loads = dict(naive) if load_of is None else load_of(model)
+        loads_seen.append({k: v.clone() for k, v in loads.items()})
+        with torch.no_grad():
+            for fqn, load in loads.items():
+                load = load.double()
+                model.get_submodule(fqn).e_score_correction_bias += rate * torch.sign(load.mean() - load).float()
+    biases = {n.removesuffix(".e_score_correction_bias"): b.detach().clone() for n, b in model.named_buffers()
+              if n.endswith(".e_score_correction_bias")}  # router FQN -> its bias
+    return {"biases": biases, "loads": loads_seen}
+
+
+def balance_ref(path: str, data: dict[str, Any]) -> dict[str, Any]:
+    return balance(load(path), data)
+
+
+def balance_ep(rank: int, world: int, path: str, data: dict[str, Any], local: bool = False) -> dict[str, Any]:
+    """``balance`` on this dp rank's rows, the loads from ``hp_lazy.expert_load`` (``local``: the
+    negative control, this rank's own counts)."""
+    import hp_lazy
+
+    model = hp_lazy.parallelize(load(path))
+    dp, _, _ = _dp_tools()
+    per = data["input_ids"].shape[0] // dp.size
+    return balance(model, data, rows=slice(dp.rank * per, (dp.rank + 1) * per),
+                   load_of=None if local else hp_lazy.expert_load)
+
+
+def load_before_forward(rank: int, world: int, path: str) -> str:
+    import hp_lazy
+
+    model = hp_lazy.parallelize(load(path))
+    try:
+        hp_lazy.expert_load(model)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "ok"

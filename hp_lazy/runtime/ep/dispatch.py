@@ -20,6 +20,7 @@ output is kept connected to the received rows and to every expert parameter (``+
 a rank that receives no rows still runs the backward all-to-all its peers wait for, and its
 experts get zero gradients rather than ``None`` (weight decay still applies to them).
 Collectives per layer: forward 3 all-to-alls (counts, rows, rows back), backward 2.
+The per-expert counts of step 2 are kept on the module for :func:`~hp_lazy.runtime.ep.load.expert_load`.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hp_lazy.names import EP_DISPATCH
+from hp_lazy.names import EP_DISPATCH, EP_LOAD
 from hp_lazy.runtime.comm import all_to_all_v, wire
 from hp_lazy.runtime.mesh import Group
 
@@ -75,6 +76,7 @@ def dispatch(
     order = torch.argsort(flat, stable=True)
     send = x[order // k]
     counts = torch.bincount(flat, minlength=spec.num_global).view(group.size, local)
+    module.__dict__[EP_LOAD] = counts.detach().reshape(-1)  # read by hp_lazy.expert_load (:mod:`.load`)
     got = wire.all_to_all_v(counts.reshape(-1), group, [local] * group.size, [local] * group.size, "forward")
     got = got.view(group.size, local)
     send_splits, recv_splits = torch.stack([counts.sum(1), got.sum(1)]).tolist()  # the one host sync
