@@ -157,9 +157,11 @@ def test_expert_load_refusals(pools, root: str) -> None:
         hp_lazy.expert_load(epwork.load(path))  # this process: no plan, plain transformers
 
 
-def test_ep_tp_matches_one_process(pools, root: str) -> None:
-    """World 4, ep=2 x tp=2: GQA heads cut on tp beside the experts cut on ep and tp."""
-    errors = _check(pools(4, ep=2, tp=2), build("glm4_moe", root))
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_ep_tp_matches_one_process(pools, root: str, name: str) -> None:
+    """World 4, ep=2 x tp=2: GLM-4-MoE's GQA heads cut on tp beside the experts cut on ep and tp;
+    DeepSeek-V3's MLA attention replicated (no attention entries in its TP plan)."""
+    errors = _check(pools(4, ep=2, tp=2), build(name, root))
     assert max(errors.values()) <= parity.TOL
 
 
