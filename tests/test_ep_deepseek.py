@@ -1,8 +1,8 @@
 """Expert parallel for DeepSeek-V3-style routing: sigmoid scores plus ``e_score_correction_bias``,
 group-limited top-k (``n_group`` / ``topk_group``), ``routed_scaling_factor``, a shared expert.
-GLM-4-MoE (GQA attention) and DeepSeek-V3 (MLA; no attention entries in its TP plan) at world 2
-(``ep=2``), GLM-4-MoE at world 4 (``ep=2, tp=2``): one process's loss, logits, routing, every
-gradient and 3 SGD+wd steps. ``hp_lazy.expert_load``: aux-loss-free balancing of the correction
+GLM-4-MoE (GQA attention) and DeepSeek-V3 (MLA; no attention entries in its TP plan, so it stays
+replicated) at world 2 (``ep=2``) and world 4 (``ep=2, tp=2``): one process's loss, logits,
+routing, every gradient and 3 SGD+wd steps. ``hp_lazy.expert_load``: aux-loss-free balancing of the correction
 biases from the global loads keeps them bit-identical across ranks and equal to one process's;
 from each rank's own counts they drift apart (negative control); its refusals.
 
