@@ -189,6 +189,7 @@ class Mesh:
     device_mesh: DeviceMesh | None = field(default=None, compare=False)
     ep: int = 1
     _groups: dict[tuple[str, ...], Group] = field(default_factory=dict, compare=False, repr=False)
+    _expert: list[DeviceMesh] = field(default_factory=list, compare=False, repr=False)
 
     def degree(self, axis: str) -> int:
         """Size of ``axis`` (1 for an axis not in the mesh)."""
@@ -230,6 +231,30 @@ class Mesh:
             return self.group(used[0])
         key = (*used, "dedicated") if dedicated else used
         return self._enumerated(key, self._runs(used), reuse_world=not dedicated)
+
+    def expert_mesh(self) -> DeviceMesh:
+        """The token ranks regrouped as ``(edp, ep)`` — ``ep`` the ep groups of :meth:`group`,
+        ``edp`` the ranks at the same position of theirs (the same expert slice) — times ``tp``, as a
+        torch ``DeviceMesh`` (dims of size 1 left out): where checkpoints see expert slices. Built
+        once (a collective the first time)."""
+        if self._expert:
+            return self._expert[0]
+        from torch.distributed.device_mesh import DeviceMesh
+
+        assert self.device_mesh is not None and self.ep > 1, "an expert mesh needs ep > 1"
+        names = [a for a, _ in self.shape]
+        tokens = [i for i, name in enumerate(names) if name in ("dp", "cp")]
+        rest = [i for i in range(len(names)) if i not in tokens]
+        ranks = self.device_mesh.mesh.permute(*tokens, *rest).reshape(-1, self.ep, self.degree("tp"))
+        sizes = {EDP: int(ranks.shape[0]), "ep": self.ep, "tp": self.degree("tp")}
+        kept = [name for name, size in sizes.items() if size > 1]
+        groups = [(self.group_of((EDP,)) if name == EDP else self.group(name)).pg for name in kept]
+        assert all(pg is not None for pg in groups), "every kept dim has more than one rank"
+        self._expert.append(DeviceMesh.from_group(
+            groups if len(groups) > 1 else groups[0], self.device_mesh.device_type,  # type: ignore[arg-type]
+            mesh=ranks.reshape(tuple(sizes[name] for name in kept)), mesh_dim_names=tuple(kept),
+        ))
+        return self._expert[0]
 
     def _runs(self, axes: tuple[str, ...]) -> list[list[int]]:
         assert self.device_mesh is not None

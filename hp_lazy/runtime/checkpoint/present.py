@@ -41,8 +41,6 @@ from hp_lazy.runtime.mesh import Mesh
 
 _SUB_MESHES: dict[tuple[int, int], Any] = {}
 """(id of the root device mesh, copies) -> its tp dim split into pieces x copies (built once)."""
-_EXPERT_MESHES: dict[int, Any] = {}
-"""id of the root device mesh -> its expert mesh ``(edp, ep, tp)`` (built once)."""
 
 
 def _fix(what: str) -> str:
@@ -66,7 +64,7 @@ class Presentation:
         for m in copies:  # a collective the first time: every rank binds the same table
             self._sub_mesh(m)
         if any(cut.axis == "ep" for fqn in table for cut in _cuts(table, fqn)):
-            self._expert_mesh()  # a collective the first time, as above
+            self.mesh.expert_mesh()  # a collective the first time, as above
 
     # -- save side
 
@@ -178,37 +176,11 @@ class Presentation:
                 f"{fqn}: an expert weight laid out {layout.describe()} has a piece kept on several ranks, which "
                 "hp_lazy cannot present to checkpoints; " + _fix("model.state_dict()")
             )
-        mesh = self._expert_mesh()
+        mesh = self.mesh.expert_mesh()
         by_axis = {cut.axis: cut for cut in layout.shards}
         placements = tuple(_placement(by_axis[name]) if name in by_axis else Replicate()
-                           for name in mesh.mesh_dim_names)
+                           for name in mesh.mesh_dim_names or ())
         return mesh, placements, layout.shards
-
-    def _expert_mesh(self) -> Any:
-        """The token ranks regrouped as ``(edp, ep)`` — ``ep`` the ep groups, ``edp`` the ranks at
-        the same position of theirs (the same expert slice) — times ``tp``; dims of size 1 left out."""
-        found = _EXPERT_MESHES.get(id(self.device_mesh))
-        if found is not None:
-            return found
-        from torch.distributed.device_mesh import DeviceMesh
-
-        from hp_lazy.runtime.mesh import EDP
-
-        names = list(self.device_mesh.mesh_dim_names or ())
-        tokens = [i for i, name in enumerate(names) if name in ("dp", "cp")]
-        rest = [i for i in range(len(names)) if i not in tokens]
-        ep, tp = self.mesh.degree("ep"), self.mesh.degree("tp")
-        ranks = self.device_mesh.mesh.permute(*tokens, *rest).reshape(-1, ep, tp)
-        sizes = {EDP: int(ranks.shape[0]), "ep": ep, "tp": tp}
-        kept = [name for name, size in sizes.items() if size > 1]
-        groups = [self.mesh.group_of((EDP,)).pg if name == EDP else self.mesh.group(name).pg for name in kept]
-        assert all(pg is not None for pg in groups), "every kept dim has more than one rank"
-        found = DeviceMesh.from_group(
-            groups if len(groups) > 1 else groups[0], self.device_mesh.device_type,  # type: ignore[arg-type]
-            mesh=ranks.reshape(tuple(sizes[name] for name in kept)), mesh_dim_names=tuple(kept),
-        )
-        _EXPERT_MESHES[id(self.device_mesh)] = found
-        return found
 
     def _sub_mesh(self, copies: int) -> Any:
         key = (id(self.device_mesh), copies)
