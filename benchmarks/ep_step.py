@@ -30,8 +30,10 @@ whole batch: experts-TP's layout, not run).
 Reported per variant: the median fwd+bwd step (the slowest rank's), its ratio to one process, the
 relative error of the step's loss against one process's (the mean of the ranks' losses; each rank's
 rows hold the same number of tokens), the collectives of one step (``hp_lazy.collective_counter``;
-transformers' DTensor/FSDP2 collectives are not counted: "-") and the expert parameters held per
-rank (local shards).
+transformers' DTensor/FSDP2 collectives are not counted: "-"), their payload per rank (the bytes a
+rank hands to the all-to-alls, all-reduces and all-gathers of one step: for an all-to-all, the rows
+it sends to other ranks; ``CollectiveCounter.payload``) and the expert parameters held per rank
+(local shards; the optimizer's state of them scales the same).
 
     python benchmarks/ep_step.py                       # a few minutes on 2 cores
     python benchmarks/ep_step.py --repeats 1 --steps 2
@@ -148,6 +150,7 @@ def _worker(rank: int, world: int, variant: str, path: str, args: argparse.Names
     with hp_lazy.collective_counter() as counter:
         model(input_ids=ids, labels=ids).loss.backward()
     counts = {phase: counter.by_phase(phase) for phase in ("forward", "backward")}
+    counts["MiB"] = {op: counter.bytes_of(op) / 2**20 for op in ("all_to_all", "all_reduce", "all_gather")}
     _report(queue, rank, world, _run(model, ids, args.steps, dist.barrier), counts, _expert_bytes(model))
 
 
@@ -189,8 +192,8 @@ def main(argv: list[str] | None = None) -> int:
           f"(size {args.expert_size}), batch {args.batch} x {args.seq}, fp32, {args.steps} steps x {args.repeats} "
           "repeats (medians)\n")
     print("| variant | step s | step / one process | loss rel err vs one process | collectives per step (fwd; bwd) "
-          "| expert MiB per rank |")
-    print("|---|---|---|---|---|---|")
+          "| payload MiB per rank per step (a2a / ar / ag) | expert MiB per rank |")
+    print("|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as root:
         path = _build(args, root)
         runs: dict[str, list[tuple[float, dict, int, float]]] = {v: [] for v in VARIANTS}
@@ -205,8 +208,10 @@ def main(argv: list[str] | None = None) -> int:
             loss_err = max(abs(r[3] - ref_loss) for r in runs[variant]) / abs(ref_loss)
             shown = "; ".join(", ".join(f"{k} {v}" for k, v in sorted(counts.get(ph, {}).items())) or "-"
                               for ph in ("forward", "backward"))
-            print(f"| {variant} | {step:.3f} | {step / base:.2f} | {loss_err:.1e} | {shown} | {experts / 2**20:.2f} |",
-                  flush=True)
+            mib = counts.get("MiB", {})
+            volume = " / ".join(f"{mib[op]:.2f}" for op in ("all_to_all", "all_reduce", "all_gather")) if mib else "-"
+            print(f"| {variant} | {step:.3f} | {step / base:.2f} | {loss_err:.1e} | {shown} | {volume} "
+                  f"| {experts / 2**20:.2f} |", flush=True)
     return 0
 
 

@@ -213,14 +213,16 @@ def _counter_body(rank: int, world: int) -> list[Any]:
     strided = torch.arange(8.0).view(2, 4).t()  # non-contiguous
     W.all_reduce_(strided, g)
     return [dict(outer.counts), dict(inner.counts), outer.total, outer.by_phase("backward"), str(outer),
-            x.grad.tolist(), strided.tolist(), [t.tolist() for t in W.all_gather_list(torch.tensor([rank]), g)]]
+            x.grad.tolist(), strided.tolist(), [t.tolist() for t in W.all_gather_list(torch.tensor([rank]), g)],
+            dict(outer.payload), outer.bytes_of("all_reduce")]
 
 
 def test_counter_phases_nesting_and_in_place_reduce(pool2: DistPool) -> None:
     results = pool2.run(_counter_body)
     fwd, bwd = ("all_reduce", "forward"), ("all_reduce", "backward")
-    for outer, inner, total, backward, text, grad, strided, gathered in results:
+    for outer, inner, total, backward, text, grad, strided, gathered, payload, reduced in results:
         assert outer == {fwd: 1, bwd: 2} and inner == {bwd: 2} and total == 3
+        assert payload == {fwd: 3 * 4, bwd: 2 * 3 * 4} and reduced == 9 * 4  # three fp32 values per call
         assert backward == {"all_reduce": 2}
         assert text == "3 collectives: forward 1 (all_reduce 1); backward 2 (all_reduce 2)"
         assert grad == [8.0] * 3  # dL/dx = 2, summed over 2 ranks by copy_to, then by the hook
@@ -328,7 +330,8 @@ def _all_to_all_v(rank: int, world: int) -> dict:
     with hp_lazy.collective_counter() as counter:
         y = C.all_to_all_v(x, g, send, recv)
         (y * (rank + 1)).sum().backward()
-    return {"y": y.detach(), "grad": x.grad, "counts": counts, "calls": dict(counter.counts)}
+    return {"y": y.detach(), "grad": x.grad, "counts": counts, "calls": dict(counter.counts),
+            "payload": dict(counter.payload)}
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -343,6 +346,10 @@ def test_all_to_all_v_routes_rows_and_gradients_back(pool2: DistPool, pool4: Dis
         weights = torch.cat([torch.full((n, 2), float(j + 1), dtype=torch.float64) for j, n in enumerate(counts[rank])])
         assert torch.equal(result["grad"], weights)
         assert result["calls"] == {("all_to_all", "forward"): 1, ("all_to_all", "backward"): 1}
+        row = 2 * 8  # two fp64 values; the rows a rank keeps are not payload
+        sent = sum(counts[rank]) - counts[rank][rank]
+        received = sum(counts[j][rank] for j in range(world)) - counts[rank][rank]  # sent back in the backward
+        assert result["payload"] == {("all_to_all", "forward"): sent * row, ("all_to_all", "backward"): received * row}
     assert any(0 in row for row in counts)  # a zero count is in the test
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import math
 import re
 from collections.abc import Iterator, Sequence
 
@@ -41,10 +42,17 @@ __all__ = [
 Phase = str  # "forward" | "backward"
 
 class CollectiveCounter:
-    """Counts of the collectives issued while active, keyed by ``(op, phase)``."""
+    """Counts of the collectives issued while active, keyed by ``(op, phase)``, and their payload.
+
+    ``payload[(op, phase)]`` sums the bytes this rank hands to those calls: the tensor reduced
+    (all-reduce), its own part (all-gather), the full input (reduce-scatter), the rows it sends to
+    other ranks (all-to-all: its own chunk stays). What the wire carries per algorithm differs
+    (a ring all-reduce moves ``2 (W-1)/W`` of its payload); the payload is what a layout changes.
+    """
 
     def __init__(self) -> None:
         self.counts: collections.Counter[tuple[str, Phase]] = collections.Counter()
+        self.payload: collections.Counter[tuple[str, Phase]] = collections.Counter()
 
     def __getitem__(self, key: tuple[str, Phase]) -> int:
         return self.counts[key]
@@ -56,6 +64,10 @@ class CollectiveCounter:
     def by_phase(self, phase: Phase) -> dict[str, int]:
         """``{op: count}`` for one phase, e.g. ``by_phase("backward") == {"all_reduce": 4}``."""
         return {op: n for (op, p), n in sorted(self.counts.items()) if p == phase}
+
+    def bytes_of(self, op: str) -> int:
+        """The payload of every ``op`` call, both phases."""
+        return sum(n for (o, _), n in self.payload.items() if o == op)
 
     def __str__(self) -> str:
         parts = []
@@ -84,11 +96,16 @@ def collective_counter() -> Iterator[CollectiveCounter]:
         _ACTIVE.remove(counter)
 
 
-def _record(op: str, phase: Phase | None) -> None:
+def _record(op: str, phase: Phase | None, nbytes: int) -> None:
     if _ACTIVE:
         key = (op, phase or _current_phase())
         for counter in _ACTIVE:
             counter.counts[key] += 1
+            counter.payload[key] += nbytes
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def _current_phase() -> Phase:
@@ -111,7 +128,7 @@ def all_reduce(
     t: torch.Tensor, g: Group, phase: Phase | None, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
 ) -> torch.Tensor:
     """All-reduce ``t`` in place (``t`` must be contiguous); returns ``t``."""
-    _record("all_reduce", phase)
+    _record("all_reduce", phase, _nbytes(t))
     dist.all_reduce(t, op=op, group=g.pg)
     return t
 
@@ -135,7 +152,7 @@ def all_reduce_async(t: torch.Tensor, g: Group) -> Pending:
     """Start summing the contiguous ``t`` over ``g`` in place; counted in the phase it starts in."""
     if g.size == 1:
         return Pending(t, None)
-    _record("all_reduce", None)
+    _record("all_reduce", None, _nbytes(t))
     return Pending(t, dist.all_reduce(t, group=g.pg, async_op=True))
 
 
@@ -147,7 +164,7 @@ def all_gather(x: torch.Tensor, g: Group, dim: int, phase: Phase | None) -> torc
 
 def _gather_stacked(x: torch.Tensor, g: Group, phase: Phase | None) -> torch.Tensor:
     """``[...] -> [W, ...]``: every rank's ``x`` in rank order."""
-    _record("all_gather", phase)
+    _record("all_gather", phase, _nbytes(x))
     out = x.new_empty((g.size, *x.shape))
     _gather_single(out, x.unsqueeze(0).contiguous(), group=g.pg)
     return out
@@ -155,7 +172,7 @@ def _gather_stacked(x: torch.Tensor, g: Group, phase: Phase | None) -> torch.Ten
 
 def reduce_scatter(x: torch.Tensor, g: Group, dim: int, phase: Phase | None) -> torch.Tensor:
     """Sum ``[.., W*n, ..]`` over the group and keep chunk ``r``: ``[.., n, ..]``."""
-    _record("reduce_scatter", phase)
+    _record("reduce_scatter", phase, _nbytes(x))
     full = x.movedim(dim, 0).contiguous()
     backend = str(dist.get_backend(g.pg))
     if backend not in _NO_REDUCE_SCATTER:
@@ -174,7 +191,7 @@ def reduce_scatter(x: torch.Tensor, g: Group, dim: int, phase: Phase | None) -> 
 
 def all_to_all(x: torch.Tensor, g: Group, split_dim: int, cat_dim: int, phase: Phase | None) -> torch.Tensor:
     """Chunk ``j`` of ``split_dim`` goes to rank ``j``; received chunks are concatenated on ``cat_dim``."""
-    _record("all_to_all", phase)
+    _record("all_to_all", phase, _nbytes(x) * (g.size - 1) // g.size)
     n = x.shape[split_dim] // g.size
     send = x.unflatten(split_dim, (g.size, n)).movedim(split_dim, 0).contiguous()
     recv = torch.empty_like(send)
@@ -191,7 +208,8 @@ def all_to_all_v(
     Issued on every rank whatever the counts: a rank that sends or receives zero rows still
     takes part (an empty tensor on the wire), so no rank is left waiting.
     """
-    _record("all_to_all", phase)
+    rows = int(sum(send_splits)) - int(send_splits[g.rank])
+    _record("all_to_all", phase, rows * math.prod(x.shape[1:]) * x.element_size())
     recv = x.new_empty((int(sum(recv_splits)), *x.shape[1:]))
     dist.all_to_all_single(
         recv, x.contiguous(), output_split_sizes=list(recv_splits), input_split_sizes=list(send_splits), group=g.pg
