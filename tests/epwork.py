@@ -23,7 +23,7 @@ def batch(rows: int = 2, seq: int = 16) -> dict[str, Any]:
     return {"input_ids": ids, "labels": labels}
 
 
-def load(path: str, impl: str = "grouped_mm", config: dict[str, Any] | None = None):
+def load(path: str, impl: str = "grouped_mm", config: dict[str, Any] | None = None, dtype: str = "float32"):
     import torch
     import transformers
 
@@ -31,8 +31,25 @@ def load(path: str, impl: str = "grouped_mm", config: dict[str, Any] | None = No
     cfg = transformers.AutoConfig.from_pretrained(path)
     for key, value in (config or {}).items():
         setattr(cfg, key, value)
-    return transformers.AutoModelForCausalLM.from_pretrained(path, config=cfg, dtype=torch.float32,
-                                                             experts_implementation=impl)
+    causal = any(a.endswith("ForCausalLM") for a in cfg.architectures or ())
+    auto = transformers.AutoModelForCausalLM if causal else transformers.AutoModel  # models.BASE_ONLY
+    return auto.from_pretrained(path, config=cfg, dtype=getattr(torch, dtype), experts_implementation=impl)
+
+
+def forward(model, data: dict[str, Any]) -> Any:
+    """``model(**data)``; a base model (no LM head) gets a loss of its hidden states instead: the
+    mean over the labelled positions of ``tanh(h @ w / H) / 4`` for a fixed ``w`` (bounded, and a
+    gradient norm near a tiny causal LM's, so 3 SGD steps at lr 0.1 stay small; its "logits" are ``h``)."""
+    import types
+
+    import torch
+
+    if "ForCausalLM" in type(model).__name__:
+        return model(**data)
+    h = model(input_ids=data["input_ids"]).last_hidden_state
+    w = torch.randn(h.shape[-1], generator=torch.Generator().manual_seed(2)).to(h.dtype)
+    per = torch.tanh(h @ w / h.shape[-1]) / 4
+    return types.SimpleNamespace(loss=per[data["labels"] != -100].mean(), logits=h, aux_loss=None)
 
 
 def hole(path: str) -> str:
@@ -49,7 +66,7 @@ def hole(path: str) -> str:
     with torch.no_grad():
         model.model.embed_tokens.weight[:, 0] = 10.0
         for layer in model.model.layers:
-            gate = getattr(layer.mlp, "gate", None)
+            gate = getattr(layer.mlp, "gate", None) or getattr(layer.mlp, "router", None)
             if gate is not None and getattr(gate, "weight", None) is not None and gate.weight.dim() == 2:
                 n = gate.weight.shape[0]
                 gate.weight[: n // 2, 0] = 5.0
@@ -63,7 +80,7 @@ def _routing(model) -> tuple[list, list]:
     seen: list = []
     handles = []
     for name, module in model.named_modules():
-        if name.endswith("mlp.gate") and "shared" not in name:
+        if name.endswith(("mlp.gate", "mlp.router")) and "shared" not in name:  # router: GPT-OSS
             handles.append(module.register_forward_hook(lambda m, a, out: seen.append(out[2].detach().clone())))
     return seen, handles
 
@@ -80,7 +97,7 @@ def run(model, data: dict[str, Any], *, steps: int = 3, rows=None, gather=None, 
     grads_of = full_grads or (lambda m: {n: p.grad.detach().clone() for n, p in m.named_parameters() if p.grad is not None})
     state_of = full_state_dict or (lambda m: {k: v.detach().clone() for k, v in m.state_dict().items()})
     seen, handles = _routing(model)
-    out = model(**mine)
+    out = forward(model, mine)
     for handle in handles:
         handle.remove()
     out.loss.backward()
@@ -95,7 +112,7 @@ def run(model, data: dict[str, Any], *, steps: int = 3, rows=None, gather=None, 
     losses = []
     for _ in range(steps):
         optimizer.zero_grad()
-        loss = model(**mine).loss
+        loss = forward(model, mine).loss
         loss.backward()
         optimizer.step()
         losses.append(mean(loss.detach()))
@@ -105,8 +122,8 @@ def run(model, data: dict[str, Any], *, steps: int = 3, rows=None, gather=None, 
 
 
 def reference(path: str, data: dict[str, Any], impl: str = "grouped_mm",
-              config: dict[str, Any] | None = None) -> dict[str, Any]:
-    return run(load(path, impl, config), data)
+              config: dict[str, Any] | None = None, dtype: str = "float32") -> dict[str, Any]:
+    return run(load(path, impl, config, dtype), data)
 
 
 def _dp_tools():
@@ -136,12 +153,13 @@ def _dp_tools():
 
 
 def train(rank: int, world: int, path: str, data: dict[str, Any], impl: str = "grouped_mm",
-          grads: bool = True, config: dict[str, Any] | None = None, local_aux: bool = False) -> dict[str, Any]:
+          grads: bool = True, config: dict[str, Any] | None = None, local_aux: bool = False,
+          dtype: str = "float32") -> dict[str, Any]:
     import sys
 
     import hp_lazy
 
-    model = hp_lazy.parallelize(load(path, impl, config))
+    model = hp_lazy.parallelize(load(path, impl, config, dtype))
     module = sys.modules[type(model).__module__]
     original = getattr(getattr(module, "load_balancing_loss_func", None), "hp_original", None)  # DeepSeek: none
     if local_aux and original is not None:  # negative control: transformers' aux loss on this rank's rows
@@ -219,14 +237,14 @@ def activate(rank: int, world: int, **degrees: int) -> None:
     hp_lazy.activate("auto", **degrees)
 
 
-def check(pool, path: str, impl: str = "grouped_mm") -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def check(pool, path: str, impl: str = "grouped_mm", dtype: str = "float32") -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """``train`` on every rank of ``pool`` against one process on the global batch: the routing
     (top-k indices) equal, loss and logits on every rank, everything on rank 0 (``parity.compare``)."""
     import parity
 
     data = batch()
-    ref = reference(path, data, impl)
-    results = pool.run(train, path, data, impl)
+    ref = reference(path, data, impl, dtype=dtype)
+    results = pool.run(train, path, data, impl, dtype=dtype)
     for got in results:
         for mine, theirs in zip(got["routing"], ref["routing"], strict=True):
             assert (mine == theirs).all()

@@ -65,9 +65,27 @@ MORE_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
                                             "num_experts_per_tok": 2, "n_shared_experts": 1,
                                             "moe_intermediate_size": 16, "first_k_dense_replace": 1,
                                             "n_group": 1, "topk_group": 1}),
+    # GPT-OSS: experts with biases and a clamped SwiGLU, forward(hidden_states, router_indices,
+    # routing_weights); a router with a bias (mlp.router); attention sinks, a sliding layer and a full one
+    "gpt_oss": ("GptOssConfig", {"head_dim": 8, "num_local_experts": 4, "num_experts_per_tok": 2,
+                                 "intermediate_size": 16, "sliding_window": 6,
+                                 "rope_parameters": {"rope_type": "yarn", "factor": 2.0, "beta_fast": 32.0,
+                                                     "beta_slow": 1.0, "truncate": False, "rope_theta": 150000.0,
+                                                     "original_max_position_embeddings": 32},
+                                 "layer_types": ["sliding_attention", "full_attention"]}),
+    # Muse Spark (a base model only: AutoModel): a norm inside the experts (post_expert_norm, kept whole
+    # on every ep rank: 'replicated_with_grad_allreduce'), projections to and from the experts' width,
+    # sigmoid routing with a correction bias
+    "muse_spark": ("MuseSparkTextConfig", {"head_dim": 8, "num_key_value_heads": 2, "num_local_experts": 4,
+                                           "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                                           "moe_hidden_size": 16, "sliding_window": 6,
+                                           "layer_types": ["sliding_attention", "full_attention"],
+                                           "layer_rope_theta": [10000.0, 0], "mlp_layer_types": ["sparse", "sparse"]}),
 }
 """Models only some test modules use (the parity modules sweep :data:`CONFIGS`)."""
-"""Not yet under sequence parallel (Plan.auto refuses it with a PlanError)."""
+
+BASE_ONLY = ("muse_spark",)
+"""Families with no causal-LM head: built as ``AutoModel`` (the tests take a loss of the hidden states)."""
 
 BASE = dict(
     vocab_size=VOCAB,
@@ -92,7 +110,8 @@ def build(name: str, root: str, seed: int = 0) -> str:
     config_cls, extra = CONFIGS[name] if name in CONFIGS else MORE_CONFIGS[name]
     config = getattr(transformers, config_cls)(**{**BASE, **extra})
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config)
+    auto = transformers.AutoModel if name in BASE_ONLY else transformers.AutoModelForCausalLM
+    model = auto.from_config(config)
     with torch.no_grad():  # visible biases and norm weights, so a dropped one shows
         for pname, param in model.named_parameters():
             if pname.endswith("bias") or "norm" in pname:

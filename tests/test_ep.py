@@ -37,19 +37,21 @@ def _check(pool, path: str, impl: str = "grouped_mm") -> dict[str, float]:
 
 @pytest.mark.parametrize(("name", "impl"), [("qwen3_moe", "grouped_mm"), ("qwen3_moe", "eager"),
                                             ("qwen3_moe", "batched_mm"), ("qwen2_moe", "grouped_mm"),
-                                            ("deepseek_v2", "grouped_mm")])  # MLA attention, a shared expert
+                                            ("deepseek_v2", "grouped_mm"),  # MLA attention, a shared expert
+                                            ("gpt_oss", "eager"),  # expert biases, forward(.., router_indices, routing_weights)
+                                            ("muse_spark", "eager"), ("muse_spark", "grouped_mm")])  # a norm kept whole in the experts
 def test_ep_matches_one_process(ready, name: str, impl: str) -> None:
     pool, root = ready
     errors = _check(pool, models.build(name, root), impl)
     assert max(errors.values()) <= parity.TOL
 
 
-@pytest.mark.parametrize("impl", ["eager", "grouped_mm"])
-def test_router_hole(ready, impl: str) -> None:
+@pytest.mark.parametrize(("name", "impl"), [("qwen3_moe", "eager"), ("qwen3_moe", "grouped_mm"), ("gpt_oss", "eager")])
+def test_router_hole(ready, name: str, impl: str) -> None:
     """Every token picks rank 0's experts: rank 1 receives no rows, its experts get zero gradients
     (weight decay still applies), and nothing hangs."""
     pool, root = ready
-    path = epwork.hole(models.build("qwen3_moe", root))
+    path = epwork.hole(models.build(name, root))
     ref = epwork.reference(path, epwork.batch(), impl)
     assert all((idx < 2).all() for idx in ref["routing"])  # the hole is there
     _check(pool, path, impl)
@@ -128,3 +130,30 @@ def test_ep_with_ddp_owning_dp_refused() -> None:
     with pytest.raises(ShardingError, match=r"expert parallel \(ep=2\) with data_parallel=False: torch DDP or FSDP2 "
                        r"would average the expert shards over every dp rank"):
         rules_for(__import__("torch").nn.Linear(2, 2), {}, Mesh(shape=(("dp", 2),), world=2, ep=2), data_parallel=False)
+
+
+def _renamed_forward_error(rank: int, world: int, path: str, data) -> str:
+    """The error of an experts class whose forward takes other routing arguments (restored after)."""
+    from transformers.models.qwen3_moe import modeling_qwen3_moe as mod
+
+    cls = mod.Qwen3MoeExperts
+    original = cls.forward
+
+    def forward(self, hidden_states, expert_ids, expert_weights):
+        return original(self, hidden_states, expert_ids, expert_weights)
+
+    cls.forward = forward
+    try:
+        return epwork.error(rank, world, path, data)
+    finally:
+        cls.forward = original
+
+
+def test_experts_forward_it_cannot_read_refused(ready) -> None:
+    pool, root = ready
+    out = pool.run(_renamed_forward_error, models.build("qwen3_moe", root), epwork.batch())
+    assert all("model.layers.1.mlp.experts (Qwen3MoeForCausalLM): the ep_dispatch region replaces a forward(hidden "
+               "states [T, H], top-k expert ids [T, K], top-k weights [T, K]) named ('hidden_states', 'top_k_index', "
+               "'top_k_weights') or ('hidden_states', 'router_indices', 'routing_weights'), but Qwen3MoeExperts.forward "
+               "takes ('hidden_states', 'expert_ids', 'expert_weights'); leave these experts out of ep" in o
+               for o in out), out

@@ -35,3 +35,19 @@ def test_ep_tp_with_mla_attention(ready, name: str) -> None:
     pool, root = ready
     results, ref = epwork.check(pool, models.build(name, root))
     assert results[0]["local_experts"] == [models.MORE_CONFIGS[name][1]["n_routed_experts"] // 2] * len(ref["routing"])
+
+
+
+@pytest.mark.parametrize(("name", "dtype"), [("gpt_oss", "float32"), ("muse_spark", "float64")])
+def test_ep_tp_with_experts_the_tp_plan_leaves_whole(ready, name: str, dtype: str) -> None:
+    """Experts the TP plan does not cut (GPT-OSS's TP plan cuts the embedding only; Muse Spark's cuts
+    the projections around the experts): every tp rank dispatches the same tokens over its ep group
+    and computes whole local experts; Muse Spark's post_expert_norm stays whole on every rank.
+
+    Muse Spark runs in float64: its router casts to float32 in any dtype, and in a float32 model the
+    family's own floor (one process, no hp_lazy, the rows fed one at a time as dp feeds them) is
+    1.5e-6 on the gradients and 1.3e-5 on the parameters after the 3 steps, above the bound; in
+    float64 that floor is 2.1e-7 / 3.7e-6, and hp_lazy's errors here equal it."""
+    pool, root = ready
+    results, ref = epwork.check(pool, models.build(name, root), "eager", dtype=dtype)
+    assert results[0]["local_experts"] == [models.MORE_CONFIGS[name][1]["num_local_experts"] // 2] * len(ref["routing"])

@@ -252,6 +252,10 @@ def test_injections_key_was_replaced_by_typed_fields() -> None:
         ({"region": {"kind": "moe"}},
          f"plan.boundaries['{ATTN}'].region.kind: kind 'moe' is not one of ['ep_dispatch']; use one of those"),
         ({"region": {}}, f"plan.boundaries['{ATTN}'].region: {{}} has no ['kind']; write e.g. {{\"kind\": \"ep_dispatch\"}}"),
+        ({"region": {"kind": "ep_dispatch", "replicated": "norm"}},
+         f"plan.boundaries['{ATTN}'].region.replicated: 'norm' is not a list; write e.g. [\"post_expert_norm\"]"),
+        ({"region": {"kind": "ep_dispatch", "replicated": [""]}},
+         f"plan.boundaries['{ATTN}'].region.replicated: parameter or submodule '' is not a non-empty string"),
     ],
 )
 def test_inner_and_region_are_validated_strictly(body: dict, expected: str) -> None:
@@ -294,6 +298,18 @@ def test_implemented_kinds_are_one_table(monkeypatch: pytest.MonkeyPatch) -> Non
     assert attn.region == Region(kind="ep_dispatch")
     assert plan.to_dict()["boundaries"][ATTN]["inner"] == {"call": "attention", "kind": "cp_allgather_kv"}
     assert Plan.from_dict(plan.to_dict()) == plan
+
+
+def test_region_replicated_names_round_trip() -> None:
+    data = with_inner(region={"kind": "ep_dispatch", "replicated": ["post_expert_norm"]})
+    data["mesh"] = {"ep": 2, "tp": 2}
+    plan = Plan.from_dict(data)
+    attn = next(c for c in plan.boundaries if c.pattern == ATTN)
+    assert attn.region == Region(kind="ep_dispatch", replicated=("post_expert_norm",))
+    assert plan.to_dict()["boundaries"][ATTN]["region"] == {"kind": "ep_dispatch", "replicated": ["post_expert_norm"]}
+    assert Plan.from_dict(plan.to_dict()) == plan
+    assert plan.hash != Plan.from_dict({**data, "boundaries": {**data["boundaries"], ATTN: {
+        **data["boundaries"][ATTN], "region": {"kind": "ep_dispatch"}}}}).hash  # the cache key sees it
 
 
 def test_inner_op_and_region_values_are_checked_on_construction() -> None:

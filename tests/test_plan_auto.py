@@ -302,3 +302,14 @@ def test_expert_parallel_at_tp1_reads_no_tp_strings() -> None:
     assert plan.contracts[0].to_dict()["region"] == {"kind": "ep_dispatch"}
     with pytest.raises(PlanError, match=r"\['layers.\*.self_attn'\] = 'local_params' is not a style"):
         Plan.auto(tp=2, ep=2).slice(*source("hy_v4"))
+
+
+def test_expert_parallel_keeps_replicated_with_grad_allreduce_whole() -> None:
+    """Muse Spark's ep plan keeps the experts' post_expert_norm whole on every rank
+    ('replicated_with_grad_allreduce'): the region names it, the expert weights are cut on ep."""
+    plan = Plan.auto(tp=1, ep=2).slice(*source("muse_spark"))
+    experts = [c for c in plan.contracts if c.region is not None]
+    assert [c.pattern for c in experts] == ["layers.*.mlp.experts"]  # MuseSparkTextModel (AutoModel) roots
+    body = experts[0].to_dict()
+    assert body["region"] == {"kind": "ep_dispatch", "replicated": ["post_expert_norm"]}
+    assert {k: v["ep"] for k, v in body["params"].items()} == {"down_proj": "S(0)", "gate_up_proj": "S(0)"}

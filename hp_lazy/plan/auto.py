@@ -53,6 +53,8 @@ MOE = "moe_tp_experts"
 SUPPORTED = GROUPED | LEAF | {"embedding_rowwise", MOE}
 EP_PLAN = "base_model_ep_plan"
 EP_DISPATCH, EP_PARAM = "ep_dispatch_experts", "grouped_gemm"
+EP_REPLICATED = "replicated_with_grad_allreduce"
+"""A parameter or submodule of an experts module kept whole on every ep rank (Region.replicated)."""
 EP_TP_ENTRIES = frozenset({"colwise", "packed_colwise", "rowwise"})
 """Entries some ep plans repeat from the TP plan (a dense MLP beside the experts): read from the TP plan."""
 LINEAR = "torch.nn.Linear"
@@ -370,12 +372,12 @@ class _Builder:
         parameters ``S(0)`` on ``ep``."""
         experts = [r for r in rules if r.style == EP_DISPATCH]
         for rule in rules:
-            if rule.style == EP_PARAM:
+            if rule.style in (EP_PARAM, EP_REPLICATED):
                 if not any(e.base == rule.base and rule.key.startswith(e.key + ".") for e in experts):
                     self._fail(rule, f"is not under a module the plan marks {EP_DISPATCH!r}")
             elif rule.style != EP_DISPATCH and rule.style not in EP_TP_ENTRIES:
                 self._fail(rule, f"is not an entry expert parallel places (it handles {EP_DISPATCH!r} modules and "
-                           f"their {EP_PARAM!r} parameters)")
+                           f"their {EP_PARAM!r} and {EP_REPLICATED!r} parameters)")
         for rule in experts:
             name = self._class_of(rule, rule.key)
             known = self.bodies.get(rule.pattern)
@@ -388,7 +390,12 @@ class _Builder:
             for param in mine:
                 rel = param.key[len(rule.key) + 1 :]
                 params[rel] = {**params.get(rel, {}), "ep": "S(0)"}
-            body.update(params=params, region={"kind": "ep_dispatch"}, skip_source_lowering=True)
+            region: dict[str, object] = {"kind": "ep_dispatch"}
+            whole = sorted(r.key[len(rule.key) + 1 :] for r in rules
+                           if r.style == EP_REPLICATED and r.base == rule.base and r.key.startswith(rule.key + "."))
+            if whole:
+                region["replicated"] = whole
+            body.update(params=params, region=region, skip_source_lowering=True)
             self.bodies[rule.pattern] = (body, known[1] if known is not None else rule.owner)
 
     def _ep_body(self, rule: Rule, name: str) -> dict:

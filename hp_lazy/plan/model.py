@@ -84,12 +84,16 @@ class Region:
     sent to the ranks holding their experts and back."""
 
     kind: RegionKind
+    replicated: tuple[str, ...] = ()
+    """Parameters or submodules of the experts module kept whole on every rank (transformers'
+    ``replicated_with_grad_allreduce``, e.g. a norm every expert's output goes through): they
+    run on the rows a rank receives, and their gradient is averaged over dp like a dense one's."""
 
     def __post_init__(self) -> None:
         one_of("Region", "kind", self.kind, REGION_KINDS)
 
-    def to_dict(self) -> dict[str, str]:
-        return {"kind": self.kind}
+    def to_dict(self) -> dict[str, object]:
+        return {"kind": self.kind, **({"replicated": list(self.replicated)} if self.replicated else {})}
 
 
 def _frozen(mapping: Mapping | None) -> Mapping:

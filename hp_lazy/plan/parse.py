@@ -201,9 +201,14 @@ def _parse_inner(where: str, data: object) -> InnerOp:
 
 
 def _parse_region(where: str, data: object) -> Region:
-    body = _check_keys(where, data, REGION_KEYS)
+    body = _check_keys(where, data, (*REGION_KEYS, "replicated"))
     _require(where, body, REGION_KEYS, '{"kind": "ep_dispatch"}')
-    return Region(kind=cast(RegionKind, one_of(f"{where}.kind", "kind", body["kind"], REGION_KINDS)))
+    kind = cast(RegionKind, one_of(f"{where}.kind", "kind", body["kind"], REGION_KINDS))
+    replicated = body.get("replicated", [])
+    if not isinstance(replicated, list):
+        raise PlanError(f"{where}.replicated: {shown(replicated)} is not a list; write e.g. [\"post_expert_norm\"]")
+    names = tuple(check_name(f"{where}.replicated", name, "parameter or submodule") for name in replicated)
+    return Region(kind=kind, replicated=names)
 
 
 def _require(where: str, body: Mapping[str, Any], keys: tuple[str, ...], example: str) -> None:

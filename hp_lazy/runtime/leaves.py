@@ -82,7 +82,7 @@ class _LeafForward(_Module):
 
 
 def _input_positions(cls: type[nn.Module], binding: Binding) -> tuple[tuple[str, int | None], ...]:
-    params = list(inspect.signature(cls.forward).parameters.values())[1:]
+    params = list(inspect.signature(own_forward(cls)).parameters.values())[1:]
     positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     names = sorted(set(binding.contract.in_src) | set(binding.contract.in_dst))
     if len(names) == 1 and names[0] not in positional and names[0] == "input" and positional:
@@ -118,6 +118,7 @@ def suppress_bias(owner: nn.Module) -> None:
 
 
 _SUBCLASSES: dict[tuple[type, type], type] = {}
+_MIXINS: set[type] = set()
 
 
 def subclass(cls: type, mixin: type) -> type:
@@ -126,4 +127,14 @@ def subclass(cls: type, mixin: type) -> type:
     if made is None:
         made = type(cls.__name__, (mixin, cls), {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
         _SUBCLASSES[(cls, mixin)] = made
+        _MIXINS.add(mixin)
     return made
+
+
+def own_forward(cls: type[nn.Module]) -> Any:
+    """The forward the model's code defines for ``cls``: the first in its MRO that is not one of
+    the mixins :func:`subclass` put in front (whose ``*args, **kwargs`` hide the real parameters)."""
+    for klass in cls.__mro__:
+        if klass not in _MIXINS and "forward" in vars(klass):
+            return vars(klass)["forward"]
+    return cls.forward

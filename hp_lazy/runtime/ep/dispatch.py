@@ -49,14 +49,24 @@ class Dispatch:
     group: Group
     num_local: int
     num_global: int
+    routing: tuple[str, str] = ("top_k_index", "top_k_weights")
+    """The names of the class's forward parameters holding the top-k ids and weights."""
 
 
 class ExpertDispatch(_Module):
     """Mixin in front of an experts class: ``forward`` is the region (the module docstring)."""
 
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> Any:
+    def forward(self, hidden_states: torch.Tensor, *args: torch.Tensor, **kwargs: torch.Tensor) -> Any:
         spec: Dispatch = getattr(self, EP_DISPATCH)
-        return dispatch(self, super().forward, spec, hidden_states, top_k_index, top_k_weights)
+        routing = dict(zip(spec.routing, args, strict=False))
+        if len(args) > 2 or set(routing) & set(kwargs) or set(kwargs) | set(routing) != set(spec.routing):
+            raise TypeError(
+                f"{type(self).__qualname__}.forward under expert parallel takes (hidden_states, "
+                f"{', '.join(spec.routing)}), got {len(args)} more positional and keywords {sorted(kwargs)}"
+            )
+        routing.update(kwargs)
+        index, weights = (routing[name] for name in spec.routing)
+        return dispatch(self, super().forward, spec, hidden_states, index, weights)
 
 
 def connect(out: torch.Tensor, rows: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:

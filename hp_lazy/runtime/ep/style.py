@@ -7,7 +7,8 @@ every style, :mod:`hp_lazy.runtime.style`):
 - ``validate``: a contract that cuts parameters on ``ep`` must carry the region
   ``{"kind": "ep_dispatch"}`` and sit on a transformers experts module (``num_experts``, the
   forward ``(hidden_states, top_k_index, top_k_weights)``) whose every parameter the plan cuts on
-  ``ep`` and whose expert count ``ep`` divides; capacity / token-dropping configs are refused
+  ``ep`` and whose expert count ``ep`` divides (GPT-OSS's ``(hidden_states, router_indices,
+  routing_weights)`` is the same forward under other names); capacity / token-dropping configs are refused
   (the region is dropless, so it would not be their model);
 - ``after_partition``: ``num_experts`` becomes the local count (the class's own kernels index
   the local slice with local ids);
@@ -17,7 +18,10 @@ every style, :mod:`hp_lazy.runtime.style`):
   over tp sums the slices, as experts-TP does);
 - ``gradients``: the expert shards' gradients are summed over the expert-data-parallel ranks only
   (:func:`hp_lazy.runtime.grads.rules_for`); the router and shared experts stay replicated and
-  are averaged over dp like every dense parameter;
+  are averaged over dp like every dense parameter, and so are the parameters the region keeps
+  whole (``Region.replicated``, transformers' ``replicated_with_grad_allreduce``: a norm inside the
+  experts, run on the rows each rank receives; every row is processed on exactly one rank, so the
+  dp mean of the ranks' gradients is one process's);
 - ``finish``: the load-balancing aux loss (``output_router_logits``) is made global
   (:mod:`.aux`: the modeling module's ``load_balancing_loss_func`` is replaced); where it cannot
   be (a non-standard function, or context parallel, which refuses router logits itself) it is
@@ -44,6 +48,10 @@ from hp_lazy.runtime.mesh import EDP
 from hp_lazy.runtime.style import BindContext, params_matching
 
 FORWARD = ("hidden_states", "top_k_index", "top_k_weights")
+ALIASES = (("hidden_states",), ("top_k_index", "router_indices"), ("top_k_weights", "routing_weights"))
+"""The experts forwards the region replaces, by their first three parameters' names: transformers'
+experts (``FORWARD``) and GPT-OSS's ``(hidden_states, router_indices, routing_weights)``, the same
+tensors ([T, H], top-k expert ids [T, K], top-k weights [T, K]) under other names."""
 _DROPPING = ("capacity", "drop_tokens", "token_drop")
 """Config attribute names (substrings) of capacity-factor / token-dropping routers."""
 
@@ -52,11 +60,22 @@ def _is_region(contract: Contract) -> bool:
     return contract.region is not None and contract.region.kind == "ep_dispatch"
 
 
+def _under(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def _whole(module: nn.Module, contract: Contract) -> set[str]:
+    """The names of the module's parameters the region keeps whole (``Region.replicated``)."""
+    kept = contract.region.replicated if contract.region is not None else ()
+    return {n for n, _ in module.named_parameters() if any(_under(n, k) for k in kept)}
+
+
 class ExpertParallelStyle:
     axis = "ep"
 
     def __init__(self) -> None:
-        self.experts: list[tuple[str, nn.Module]] = []
+        self.experts: list[tuple[str, nn.Module, set[str]]] = []
+        """(FQN, experts module, the names of its parameters kept whole) per bound region."""
 
     def validate(self, fqn: str, module: nn.Module, contract: Contract, ctx: BindContext) -> None:
         cut = sorted(name for name, axes in contract.params.items() if isinstance(axes.get("ep"), Shard))
@@ -81,19 +100,35 @@ class ExpertParallelStyle:
                 f"{fqn} ({family}): num_experts={total} is not divisible by ep={ep}; use an ep that divides "
                 f"{total} (one of {[d for d in range(1, total + 1) if total % d == 0]})"
             )
-        names = list(inspect.signature(type(module).forward).parameters)[1:4]
-        if tuple(names) != FORWARD:
+        names = list(inspect.signature(leaves.own_forward(type(module))).parameters)[1:4]
+        if len(names) < 3 or any(name not in known for name, known in zip(names, ALIASES, strict=False)):
             raise ShardingError(
-                f"{fqn} ({family}): the ep_dispatch region replaces a forward{FORWARD}, but "
+                f"{fqn} ({family}): the ep_dispatch region replaces a forward(hidden states [T, H], top-k expert "
+                f"ids [T, K], top-k weights [T, K]) named {FORWARD} or {tuple(a[-1] for a in ALIASES)}, but "
                 f"{type(module).__qualname__}.forward takes {tuple(names)}; leave these experts out of ep"
             )
         planned = {id(p) for name in cut for _, p in params_matching(module, name)}
-        replicated = [n for n, p in module.named_parameters() if id(p) not in planned]
+        whole = _whole(module, contract)
+        missing = [n for n in contract.region.replicated if not any(_under(p, n) for p in whole)]  # type: ignore[union-attr]
+        if missing:
+            raise ShardingError(
+                f"{fqn} ({family}): the plan keeps {missing} whole on every ep rank, but "
+                f"{type(module).__qualname__} has no such parameter or submodule with parameters; fix the plan"
+            )
+        tp_cut = sorted(name for name, axes in contract.params.items() if isinstance(axes.get("tp"), Shard))
+        if whole and tp_cut:
+            raise ShardingError(
+                f"{fqn} ({family}): the plan keeps {sorted(whole)} whole inside experts it also cuts on tp "
+                f"({tp_cut}): they would run on each tp rank's partial expert outputs, which is not one process's "
+                "math; leave the experts unsharded on tp (drop their TP entries) or train without tp"
+            )
+        replicated = [n for n, p in module.named_parameters() if id(p) not in planned and n not in whole]
         if replicated:
             raise ShardingError(
                 f"{fqn} ({family}): its parameters {replicated} are not cut on ep (the plan cuts {cut}); the local "
                 "experts would use them replicated, with gradients from this rank's ep group only; cut every "
-                "expert parameter S(0) on ep, or leave these experts out of ep"
+                "expert parameter S(0) on ep, mark it replicated (region \"replicated\", transformers' "
+                "'replicated_with_grad_allreduce'), or leave these experts out of ep"
             )
         config = getattr(module, "config", None) or getattr(ctx.root, "config", None)
         for attr, value in sorted(vars(config).items()) if config is not None else ():
@@ -114,9 +149,12 @@ class ExpertParallelStyle:
             return
         total: int = module.num_experts  # type: ignore[assignment]
         group = ctx.groups["ep"]
-        module.__dict__[EP_DISPATCH] = Dispatch(group=group, num_local=total // group.size, num_global=total)
+        names = tuple(inspect.signature(leaves.own_forward(type(module))).parameters)[2:4]
+        module.__dict__[EP_DISPATCH] = Dispatch(
+            group=group, num_local=total // group.size, num_global=total, routing=names  # type: ignore[arg-type]
+        )
         setattr(module, "num_experts", total // group.size)  # the class's kernels see the local experts only
-        self.experts.append((fqn, module))
+        self.experts.append((fqn, module, _whole(module, contract)))
 
     def attach(self, fqn: str, module: nn.Module, binding: Binding, ctx: BindContext) -> bool:
         if not _is_region(binding.contract):
@@ -126,9 +164,10 @@ class ExpertParallelStyle:
         return True
 
     def gradients(self, ctx: BindContext) -> None:
-        for _, module in self.experts:
-            for param in module.parameters():
-                ctx.add_partial(param, EDP)
+        for _, module, whole in self.experts:
+            for name, param in module.named_parameters():
+                if name not in whole:  # whole ones: averaged over dp like any dense parameter
+                    ctx.add_partial(param, EDP)
 
     def finish(self, ctx: BindContext) -> None:
         if not self.experts:
