@@ -112,3 +112,102 @@ def test_expert_slices_under_ep_and_tp_are_read_on_their_own_ranks(pool_ep_tp: D
     layouts = got[0]["layouts"]["model.layers.0.mlp.experts.gate_up_proj"]
     assert [cut.axis for cut in layouts.shards] == ["ep", "tp"] and layouts.shards[1].blocks == 2
     _check(got, path, "float32")
+
+
+# --------------------------------------------------------------------------- a transposed checkpoint
+
+VL_TEXT = dict(vocab_size=models.VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+               moe_intermediate_size=32, max_position_embeddings=64,
+               rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]})
+VL_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=32,
+                 deepstack_visual_indexes=[0])
+
+
+@pytest.fixture(scope="module")
+def vl_moe(tmp_path_factory) -> dict[str, str]:
+    """Qwen3-VL-MoE (transformers transposes its experts on load: Transpose(1, 2, check_dims=True)),
+    saved as save_pretrained writes it (the model's layout: gate_up [E, 2I, H] = 4 x 64 x 32, down
+    [E, H, I] = 4 x 32 x 32) and as its released checkpoints store it (transposed: gate_up 4 x 32 x 64)."""
+    import os
+
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    root = tmp_path_factory.mktemp("vl")
+    config = transformers.Qwen3VLMoeConfig(text_config=VL_TEXT, vision_config=VL_VISION)
+    torch.manual_seed(0)
+    model = transformers.AutoModel.from_config(config)
+    model.save_pretrained(root / "model_layout")
+    stored = load_file(str(root / "model_layout" / "model.safetensors"))
+    transposed = {k: (v.transpose(1, 2).contiguous() if ".experts." in k else v) for k, v in stored.items()}
+    assert any(v.shape != stored[k].shape for k, v in transposed.items())
+    os.makedirs(root / "transposed")
+    save_file(transposed, str(root / "transposed" / "model.safetensors"), metadata={"format": "pt"})
+    (root / "transposed" / "config.json").write_text((root / "model_layout" / "config.json").read_text())
+    return {"model_layout": str(root / "model_layout"), "transposed": str(root / "transposed")}
+
+
+def _vl_shards(rank: int, world: int, path: str, keep_transformers_transpose: bool = False) -> dict:
+    """This rank's expert shards after ``from_pretrained`` (or the error's text); with
+    ``keep_transformers_transpose`` hp_lazy's stored-layout decision is switched off (negative control)."""
+    import contextlib
+
+    import transformers
+
+    from hp_lazy.names import LAID_OUT
+    from hp_lazy.runtime.checkpoint import convert
+
+    original = convert.local_transpose
+    if keep_transformers_transpose:
+        convert.local_transpose = lambda shapes: contextlib.nullcontext()
+    try:
+        model = transformers.AutoModel.from_pretrained(path, dtype=torch.float32)
+    except Exception as error:  # noqa: BLE001 - the text is the result
+        return {"error": f"{type(error).__name__}: {error}"}
+    finally:
+        convert.local_transpose = original
+    table = model.__dict__[LAID_OUT].table
+    params = dict(model.named_parameters())
+    return {"shards": {n: params[n].detach().clone() for n in table if ".experts." in n},
+            "layouts": {n: table.get(n) for n in table if ".experts." in n}}
+
+
+def _vl_reference(path: str) -> dict[str, torch.Tensor]:
+    import transformers
+
+    model = transformers.AutoModel.from_pretrained(path, dtype=torch.float32)
+    return {n: p.detach() for n, p in model.named_parameters() if ".experts." in n}
+
+
+@pytest.mark.parametrize("stored", ["model_layout", "transposed"])
+def test_transposed_experts_read_under_ep(pool_ep: DistPool, vl_moe, stored: str) -> None:
+    """ep cuts dim 0, which the transpose leaves alone: the slice is kept (model layout) or transposed."""
+    import epwork
+
+    full = _vl_reference(vl_moe[stored])
+    got = parity.once(pool_ep, epwork.activate, ep=2).run(_vl_shards, vl_moe[stored])
+    for result in got:
+        assert len(result["shards"]) == 4
+        for name, shard in result["shards"].items():
+            assert shard.shape[0] == 2 and torch.equal(shard, result["layouts"][name].local(full[name])), name
+
+
+def test_transposed_experts_read_under_tp(pool2: DistPool, vl_moe) -> None:
+    """tp cuts a transposed dim: a checkpoint in the model's layout is read right (transformers'
+    own check compares the slice with the full shape and transposes it: the load fails, a negative
+    control); a transposed one is refused, naming the parameter, because the slice was taken on the
+    stored tensor's other dim."""
+    full = _vl_reference(vl_moe["model_layout"])
+    pool = parity.activated(pool2, tp=2)
+    for result in pool.run(_vl_shards, vl_moe["model_layout"]):
+        assert len(result["shards"]) == 4
+        for name, shard in result["shards"].items():
+            assert torch.equal(shard, result["layouts"][name].local(full[name])), name
+    for result in pool.run(_vl_shards, vl_moe["model_layout"], True):
+        assert "You set `ignore_mismatched_sizes` to `False`" in result["error"], result
+    for result in pool.run(_vl_shards, vl_moe["transposed"]):
+        assert ("mlp.experts.gate_up_proj: transformers converts its checkpoint tensor (stored shape [4, 32, 64]) with "
+                "Transpose(1, 2) into the model's [4, 64, 32], and the plan cuts dim [1] of it; hp_lazy reads this "
+                "rank's slice before the conversion, on the model's dims, which are not the stored tensor's; save the "
+                "checkpoint in the model's layout") in result["error"], result

@@ -14,7 +14,9 @@ Missing keys, initialisation and weight tying then run as usual on local shapes;
 (or ``hp_lazy.parallelize``) adds the gradient owner.
 
 Expert slices (cut on ``ep``, and on ``tp`` too) are presented on the expert mesh
-(:mod:`.present`), so each rank reads only its experts. Left to the old path (full load, shard at
+(:mod:`.present`), so each rank reads only its experts. A checkpoint tensor that transformers
+transposes on load (Qwen3-VL-MoE's experts) is kept or transposed by its stored layout
+(:mod:`.convert`), and refused where the slice would come from the wrong dims. Left to the old path (full load, shard at
 the first forward): a state dict passed in, ``.bin`` checkpoints (their tensors are read whole),
 quantizers, and a ``device_map`` (its placement is
 transformers'; with tp each rank's device is ``LOCAL_RANK``'s, set before loading).
@@ -31,6 +33,7 @@ from torch import nn
 
 from hp_lazy.names import LAID_OUT
 from hp_lazy.runtime import registry
+from hp_lazy.runtime.checkpoint import convert
 
 _PATCHED: list[Any] = []
 
@@ -54,7 +57,8 @@ def patch_transformers(lowering: str) -> None:
             return load(model, state_dict, checkpoint_files, load_config, *args, **kwargs)
         _present_meta(model)
         try:
-            loaded = load(model, state_dict, checkpoint_files, load_config, *args, **kwargs)
+            with convert.local_transpose(convert.stored_shapes(checkpoint_files)):
+                loaded = load(model, state_dict, checkpoint_files, load_config, *args, **kwargs)
         finally:
             _to_local(model)
         _give_state_dict_face(model)

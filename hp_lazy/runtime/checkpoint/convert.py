@@ -1,0 +1,102 @@
+"""transformers' ``Transpose`` weight conversion under shard-on-read.
+
+Some families store a checkpoint tensor transposed from the model's layout (Qwen3-VL-MoE's experts:
+``[E, H, 2I]`` on disk, ``[E, 2I, H]`` in the model) and convert it on load with
+``Transpose(d0, d1, check_dims=True)``, which transposes unless the tensor already has the model
+parameter's shape. Under shard-on-read the tensor it sees is this rank's slice, read in the
+model's placements before the conversion, while the parameter's shape is the DTensor's full one:
+the comparison always differs, so a slice already in the model's layout is transposed (a load
+error, or silently wrong values when the slice is square).
+
+:func:`local_transpose` replaces the op's ``convert`` while hp_lazy's load runs. The stored layout
+is read from the checkpoint's header (the full shape on disk), not guessed from the slice:
+
+- stored as the model lays it out (``check_dims``): the slice is kept as read;
+- stored transposed, cut only on dims the transpose leaves alone (experts cut ``S(0)`` on ep,
+  transposed on dims 1 and 2): the slice is transposed, which is one process's result sliced;
+- stored transposed and cut on a transposed dim: the slice was taken on the wrong dim of the
+  stored tensor; refused, naming the parameter (never loaded wrong), when the load returns
+  (raised inside the op, transformers would log it as a missing key and initialise the weight).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from hp_lazy.errors import ShardingError
+
+
+def stored_shapes(files: Sequence[Any]) -> dict[str, tuple[int, ...]]:
+    """Every checkpoint key's full shape from the safetensors headers (no tensor is read)."""
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 - a safetensors handle, not a dict
+                shapes[key] = tuple(f.get_slice(key).get_shape())
+    return shapes
+
+
+def _stored(shapes: dict[str, tuple[int, ...]], name: str) -> tuple[int, ...] | None:
+    """The shape stored for model key ``name`` (a checkpoint may add or drop the base prefix)."""
+    if name in shapes:
+        return shapes[name]
+    found = [shape for key, shape in shapes.items() if key.endswith("." + name) or name.endswith("." + key)]
+    return found[0] if len(found) == 1 else None
+
+
+@contextlib.contextmanager
+def local_transpose(shapes: dict[str, tuple[int, ...]]) -> Iterator[None]:
+    """``Transpose.convert`` decided by the stored layout while the block runs (module docstring)."""
+    try:
+        ops = importlib.import_module("transformers.core_model_loading")
+    except ImportError:
+        yield
+        return
+    cls = getattr(ops, "Transpose", None)
+    original = getattr(cls, "convert", None)
+    if cls is None or original is None:
+        yield
+        return
+
+    def convert(self: Any, input_dict: dict[str, Any], source_patterns: list[str], target_patterns: list[str],
+                **kwargs: Any) -> dict[str, torch.Tensor]:
+        from torch.distributed.tensor import DTensor
+
+        model, name = kwargs.get("model"), kwargs.get("full_layer_name")
+        param = model.get_parameter(name) if model is not None and isinstance(name, str) else None
+        if not isinstance(param, DTensor) or not isinstance(name, str):
+            return original(self, input_dict, source_patterns, target_patterns, **kwargs)
+        full, local = tuple(param.shape), tuple(param.to_local().shape)
+        swapped = {self.dim0 % len(full), self.dim1 % len(full)}
+        cut = sorted(d for d in range(len(full)) if full[d] != local[d])
+        stored = _stored(shapes, name)
+        if self.check_dims and stored == full:  # stored as the model lays it out
+            tensors = next(iter(input_dict.values()))
+            return {self.get_target_pattern(input_dict, source_patterns, target_patterns):
+                    tensors[0] if isinstance(tensors, list) else tensors}
+        if stored is None or set(cut) & swapped:
+            refused.append(ShardingError(
+                f"{name}: transformers converts its checkpoint tensor (stored shape "
+                f"{list(stored) if stored is not None else 'unknown'}) with Transpose({self.dim0}, {self.dim1}) into "
+                f"the model's {list(full)}, and the plan cuts dim {cut} of it; hp_lazy reads this rank's slice before "
+                "the conversion, on the model's dims, which are not the stored tensor's; save the checkpoint in the "
+                "model's layout (load it once without hp_lazy and save_pretrained it), or leave this parameter out "
+                "of the plan"
+            ))
+        return original(self, input_dict, source_patterns, target_patterns, **kwargs)
+
+    refused: list[ShardingError] = []
+    cls.convert = convert
+    try:
+        yield
+    finally:
+        cls.convert = original
+    if refused:  # raised here: transformers reports an error inside a conversion as a missing key and goes on
+        raise refused[0]
