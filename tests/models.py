@@ -81,6 +81,10 @@ MORE_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
                                            "moe_hidden_size": 16, "sliding_window": 6,
                                            "layer_types": ["sliding_attention", "full_attention"],
                                            "layer_rope_theta": [10000.0, 0], "mlp_layer_types": ["sparse", "sparse"]}),
+    # HRM: two stacks (L and H) run in cycles; transformers fuses gate/q/k/v into one checkpoint tensor
+    # (attn.gqkv_proj) and gate/up into another, chunked back on load (shard-on-read reads them whole)
+    "hrm_text": ("HrmTextConfig", {"head_dim": 8, "L_cycles": 2, "H_cycles": 2,
+                                   "L_bp_cycles": [1]}),
 }
 """Models only some test modules use (the parity modules sweep :data:`CONFIGS`)."""
 

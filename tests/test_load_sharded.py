@@ -114,6 +114,31 @@ def test_expert_slices_under_ep_and_tp_are_read_on_their_own_ranks(pool_ep_tp: D
     _check(got, path, "float32")
 
 
+def _loaded_without_whole_reads(rank: int, world: int, path: str) -> dict:
+    """Negative control: every converted parameter read in slices (hp_lazy's whole read switched off)."""
+    from hp_lazy.runtime.checkpoint import convert
+
+    original = convert.rebuilt
+    convert.rebuilt = lambda mapping, names: set()
+    try:
+        return _loaded(rank, world, path, "float32")
+    finally:
+        convert.rebuilt = original
+
+
+def test_tensors_a_conversion_rebuilds_are_read_whole(pool2: DistPool, tmp_path) -> None:
+    """HRM's checkpoint fuses gate/q/k/v (attn.gqkv_proj) and gate/up, which transformers chunks on
+    load: a slice of the fused tensor is not a slice of q, so these are read whole and sliced after;
+    read in slices (the negative control) they load rows of the wrong projection, silently."""
+    path = models.build("hrm_text", str(tmp_path))
+    pool = parity.activated(pool2, tp=2)
+    got = pool.run(_loaded, path, "float32")
+    assert any(".self_attn.k_proj." in n for n in got[0]["shards"])
+    _check(got, path, "float32")
+    with pytest.raises(AssertionError, match=r"\(0, 'model\.[LH]_module\.layers\.\d\.(self_attn|mlp)\.\w+_proj\.weight'\)"):
+        _check(pool.run(_loaded_without_whole_reads, path), path, "float32")
+
+
 # --------------------------------------------------------------------------- a transposed checkpoint
 
 VL_TEXT = dict(vocab_size=models.VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

@@ -23,12 +23,45 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import re
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 
 from hp_lazy.errors import ShardingError
+
+SLICE_SAFE_OPS = frozenset({"MergeModulelist", "Concatenate", "Transpose"})
+"""transformers conversion ops whose result a sliced read gives right: per-expert tensors stacked and
+gate/up concatenated (transformers' sharding reads each piece's slice), and Transpose (decided
+below by the stored layout). Any other op (``Chunk`` / ``Split`` of a fused tensor, ``PermuteForRope``,
+``Interleave``, ...) builds its targets from whole source tensors, so a slice read before it is
+not the target's slice (HRM's fused ``gqkv_proj`` chunked into gate/q/k/v loaded rows of the wrong
+projection on each rank)."""
+
+
+def rebuilt(mapping: Sequence[Any], names: Sequence[str]) -> set[str]:
+    """The parameter ``names`` that a weight converter of ``mapping`` (``load_config.weight_mapping``)
+    builds with an op outside :data:`SLICE_SAFE_OPS`: they are read whole and sliced after the load.
+    A target pattern is matched as transformers matches it (a regular expression searched in the
+    name), and also as plain text, so a pattern hp_lazy reads differently errs on the whole read."""
+    patterns: list[str] = []
+    for converter in mapping:
+        ops = getattr(converter, "operations", None) or ()
+        if any(type(op).__name__ not in SLICE_SAFE_OPS for op in ops):
+            targets = getattr(converter, "target_patterns", ()) or ()
+            patterns += [targets] if isinstance(targets, str) else list(targets)
+    found = set()
+    for name in names:
+        for pattern in patterns:
+            try:
+                hit = re.search(pattern, name) is not None
+            except re.error:
+                hit = False
+            if hit or pattern.replace("\\", "") in name:
+                found.add(name)
+                break
+    return found
 
 
 def stored_shapes(files: Sequence[Any]) -> dict[str, tuple[int, ...]]:

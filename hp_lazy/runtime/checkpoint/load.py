@@ -16,10 +16,13 @@ Missing keys, initialisation and weight tying then run as usual on local shapes;
 Expert slices (cut on ``ep``, and on ``tp`` too) are presented on the expert mesh
 (:mod:`.present`), so each rank reads only its experts. A checkpoint tensor that transformers
 transposes on load (Qwen3-VL-MoE's experts) is kept or transposed by its stored layout
-(:mod:`.convert`), and refused where the slice would come from the wrong dims. Left to the old path (full load, shard at
-the first forward): a state dict passed in, ``.bin`` checkpoints (their tensors are read whole),
-quantizers, and a ``device_map`` (its placement is
-transformers'; with tp each rank's device is ``LOCAL_RANK``'s, set before loading).
+(:mod:`.convert`), and refused where the slice would come from the wrong dims. A parameter a
+conversion builds from whole source tensors (a fused checkpoint tensor chunked or split into q/k/v,
+rows permuted for RoPE: :func:`.convert.rebuilt`) is read whole and sliced after the load (its full
+tensor held briefly on every rank). Left to the old path (full load, shard at the first forward):
+a state dict passed in, ``.bin`` checkpoints (their tensors are read whole), quantizers, and a
+``device_map`` (its placement is transformers'; with tp each rank's device is ``LOCAL_RANK``'s, set
+before loading).
 """
 
 from __future__ import annotations
@@ -30,10 +33,12 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from hp_lazy.names import LAID_OUT
 from hp_lazy.runtime import registry
 from hp_lazy.runtime.checkpoint import convert
+from hp_lazy.runtime.layout import ParamLayout
 
 _PATCHED: list[Any] = []
 
@@ -55,12 +60,12 @@ def patch_transformers(lowering: str) -> None:
                                **kwargs: Any) -> Any:
         if not _shard_on_read(model, state_dict, checkpoint_files, load_config):
             return load(model, state_dict, checkpoint_files, load_config, *args, **kwargs)
-        _present_meta(model)
+        whole = _present_meta(model, getattr(load_config, "weight_mapping", None) or ())
         try:
             with convert.local_transpose(convert.stored_shapes(checkpoint_files)):
                 loaded = load(model, state_dict, checkpoint_files, load_config, *args, **kwargs)
         finally:
-            _to_local(model)
+            _to_local(model, whole)
         _give_state_dict_face(model)
         return loaded
 
@@ -79,22 +84,34 @@ def _shard_on_read(model: nn.Module, state_dict: Any, files: Any, load_config: A
     return any(p.is_meta for p in model.parameters())
 
 
-def _present_meta(model: nn.Module) -> None:
+def _present_meta(model: nn.Module, mapping: Any) -> dict[str, ParamLayout]:
+    """Every planned parameter as a meta DTensor of its full shape (read in slices), except those
+    a weight conversion builds from other tensors (:func:`convert.rebuilt`): a full-shape meta
+    tensor, read whole and sliced after the load. Returns the latter's layouts by name."""
     from hp_lazy.runtime.bind import lay_out_before_load
     from hp_lazy.runtime.checkpoint.present import Presentation
 
     laid_out = lay_out_before_load(model)  # a collective (ranks agree, sub-meshes)
     if laid_out.table is None or not any(True for _ in laid_out.table):
-        return
+        return {}
     presentation = Presentation(laid_out.table, laid_out.mesh)
+    rebuilt = convert.rebuilt(mapping, list(laid_out.table))
     faces: dict[int, nn.Parameter] = {}
+    whole: dict[str, ParamLayout] = {}
     for name, param in list(model.named_parameters(remove_duplicate=False)):
-        if name not in laid_out.table:
+        layout = laid_out.table.get(name)
+        if layout is None:
             continue
         face = faces.get(id(param))
-        if face is None:  # tied weights: one face for the one parameter
+        if face is None and name in rebuilt:
+            full = torch.empty(layout.full_shape, dtype=param.dtype, device="meta")
+            face = faces[id(param)] = nn.Parameter(full, param.requires_grad)
+        elif face is None:  # tied weights: one face for the one parameter
             face = faces[id(param)] = nn.Parameter(presentation.present(name, param.data), param.requires_grad)
+        if not isinstance(face, DTensor):
+            whole[name] = layout
         _set(model, name, face)
+    return whole
 
 
 def _give_state_dict_face(model: nn.Module) -> None:
@@ -109,16 +126,20 @@ def _give_state_dict_face(model: nn.Module) -> None:
         hooks.install(model, laid_out.table, laid_out.mesh)
 
 
-def _to_local(model: nn.Module) -> None:
-    from torch.distributed.tensor import DTensor
-
+def _to_local(model: nn.Module, whole: dict[str, ParamLayout]) -> None:
     plain: dict[int, nn.Parameter] = {}
     for name, param in list(model.named_parameters(remove_duplicate=False)):
-        if not isinstance(param, DTensor):
+        if not isinstance(param, DTensor) and name not in whole:
             continue
         local = plain.get(id(param))
         if local is None:
-            local = plain[id(param)] = nn.Parameter(_own_storage(param.to_local().detach()), param.requires_grad)
+            if isinstance(param, DTensor):
+                tensor = _own_storage(param.to_local().detach())
+            elif param.is_meta:  # read whole but not in the checkpoint: initialised later, on the shard
+                tensor = torch.empty(whole[name].local_shape, dtype=param.dtype, device="meta")
+            else:  # read whole (a converted tensor): this rank's slice of it
+                tensor = whole[name].local(param.detach())
+            local = plain[id(param)] = nn.Parameter(tensor, param.requires_grad)
             if getattr(param, "_is_hf_initialized", False):
                 local._is_hf_initialized = True  # type: ignore[attr-defined]  # read: not initialised again
         _set(model, name, local)
