@@ -263,3 +263,72 @@ def test_double_star_spans_one_or_more_segments() -> None:
     assert resolved("**.q_proj")["ToyModel"] == {"torch.nn.Linear"}
     assert "Layer" not in resolved("**.self_attn")  # Layer holds self_attn at depth 1: '**' needs one more
     assert resolved("**.self_attn")["ToyModel"] == {"Attention"}
+
+
+RUNTIME_CHOICE = textwrap.dedent(
+    '''
+    from torch import nn
+
+
+    class Mamba(nn.Module):
+        def forward(self, x):
+            return x
+
+
+    class Attention(nn.Module):
+        def forward(self, x):
+            return x
+
+
+    class Moe(nn.Module):
+        def forward(self, x):
+            return x
+
+
+    class MLP(nn.Module):
+        def forward(self, x):
+            return x
+
+
+    MIXERS = {"mamba": Mamba, "attention": Attention}
+
+
+    class Block(nn.Module):
+        def __init__(self, config, i):
+            super().__init__()
+            self.mixer = MIXERS[config.kinds[i]](config)
+            ffn_class = Moe if config.experts > 1 else MLP
+            self.feed_forward = ffn_class(config)
+
+        def forward(self, x):
+            return self.feed_forward(self.mixer(x))
+
+
+    class LoopModel(nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            layers = []
+            for i in range(config.n):
+                layer_class = {"a": Block, "b": MLP}[config.kinds[i]]
+                layers.append(layer_class(config, i))
+            self.layers = nn.ModuleList(layers)
+            self.extra = nn.ModuleList()
+            for i in range(2):
+                self.extra.append(Moe(config))
+
+        def forward(self, x):
+            return x
+    '''
+)
+
+
+def test_classes_chosen_at_run_time_are_every_candidate() -> None:
+    """A table entry (module-level or inline dict), a local alias of a conditional expression, a local
+    list filled by append, and a ModuleList attribute filled by append (Jamba, Nemotron-H, Inkling)."""
+    facts = analyze(MOD, RUNTIME_CHOICE)
+    assert facts.resolve("Block", "mixer") == {"Mamba", "Attention"}
+    assert facts.resolve("Block", "feed_forward") == {"Moe", "MLP"}
+    assert facts.resolve("LoopModel", "layers.*") == {"Block", "MLP"}
+    assert facts.resolve("LoopModel", "layers.0.feed_forward") == {"Moe", "MLP"}
+    assert facts.resolve("LoopModel", "extra.1") == {"Moe"}
+    assert facts.resolve("LoopModel", "layers.*.mixer") == {"Mamba", "Attention"}

@@ -2,9 +2,13 @@
 
 Per class, :func:`analyze` collects what ``__init__`` assigns to ``self.<attr>``: a class call
 (``self.self_attn = LlamaAttention(config)``), a ``nn.ModuleList`` of class calls (a list literal, a
-list comprehension or a generator), or an ``nn.Parameter``. Attributes of bases defined in the same
-module are inherited. Names are qualified through the module's imports (``from torch import nn`` ->
-``nn.Linear`` is ``"torch.nn.Linear"``; relative imports become absolute against the module's package).
+list comprehension or a generator, a local list or the attribute itself filled by ``.append`` in a
+loop), or an ``nn.Parameter``. The class called may be chosen at run time from a static set: a
+local alias (``ffn_class = SparseMoeBlock if n > 1 else MLP``) or an entry of a literal table
+(``MIXER_TYPES[kind](config)``, module-level or local); every class of the set is a candidate.
+Attributes of bases defined in the same module are inherited. Names are qualified through the
+module's imports (``from torch import nn`` -> ``nn.Linear`` is ``"torch.nn.Linear"``; relative
+imports become absolute against the module's package).
 
 A pattern such as ``"model.layers.*.self_attn"`` is then walked from a start class, one segment per
 attribute, with the globs of :mod:`hp_lazy.plan.fqn`: a segment matches attribute names, or, on a
@@ -69,6 +73,9 @@ class ModuleFacts:
     module: str
     imports: Mapping[str, str]
     classes: Mapping[str, ClassFacts] = field(default_factory=dict)
+    tables: Mapping[str, tuple[ast.expr, ...]] = field(default_factory=dict)
+    """Module-level names bound to a dict, list or tuple literal: its values (``MIXER_TYPES =
+    {"mamba": NemotronHMamba2Mixer, ...}``), so ``MIXER_TYPES[kind](config)`` builds one of them."""
 
     def qualify(self, dotted: str) -> tuple[str, bool] | None:
         """``"nn.Linear"`` -> ``("torch.nn.Linear", False)``; a local class -> ``(name, True)``."""
@@ -209,6 +216,24 @@ def _top_statements(body: list[ast.stmt]) -> Iterator[ast.stmt]:
             yield from _top_statements(handler.body)
 
 
+def _tables(tree: ast.Module) -> dict[str, tuple[ast.expr, ...]]:
+    out: dict[str, tuple[ast.expr, ...]] = {}
+    for node in _top_statements(tree.body):
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            values = _literal_values(node.value)
+            if values is not None:
+                out[node.targets[0].id] = values
+    return out
+
+
+def _literal_values(node: ast.expr) -> tuple[ast.expr, ...] | None:
+    if isinstance(node, ast.Dict):
+        return tuple(node.values)
+    if isinstance(node, (ast.List, ast.Tuple)):
+        return tuple(node.elts)
+    return None
+
+
 def _imports(module: str, tree: ast.Module) -> dict[str, str]:
     names: dict[str, str] = {}
     for node in _top_statements(tree.body):
@@ -233,6 +258,10 @@ class _ClassScanner:
         self.children: dict[str, tuple[Ref, ...]] = {}
         self.params: list[str] = []
         self.conditional: set[str] = set()
+        self.bound: dict[str, list[ast.expr]] = {}
+        """``__init__``'s local names -> every value assigned to them (``layer_class = X if c else Y``)."""
+        self.appended: dict[str, list[ast.expr]] = {}
+        """A local list or ``self.<attr>`` -> the values ``.append`` adds (a ModuleList built in a loop)."""
 
     def scan(self) -> ClassFacts:
         methods = {n.name: n for n in self.node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
@@ -275,6 +304,15 @@ class _ClassScanner:
         guarded = {id(n) for branch in _walk_body(init.body) if isinstance(branch, ast.If)
                    for n in _walk_body([*branch.body, *branch.orelse])}
         for node in _walk_body(init.body):
+            if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+                self.bound.setdefault(node.targets[0].id, []).append(node.value)
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "append"
+                  and len(node.args) == 1):
+                owner = _dotted(node.func.value)
+                if owner is not None:
+                    key = owner[len(self_name) + 1 :] if owner.startswith(self_name + ".") else owner
+                    self.appended.setdefault(key, []).append(node.args[0])
+        for node in _walk_body(init.body):
             if isinstance(node, ast.Assign):
                 targets = node.targets
             else:
@@ -285,6 +323,9 @@ class _ClassScanner:
                     self._assign(target.attr, value)
                     if id(node) in guarded or _may_be_none(value):
                         self.conditional.add(target.attr)
+        for attr, refs in list(self.children.items()):  # self.layers = nn.ModuleList(); self.layers.append(...)
+            grown = tuple(self._grown(r, attr) for r in refs)
+            self.children[attr] = grown
 
     def _assign(self, attr: str, value: ast.expr) -> None:
         if isinstance(value, ast.Call) and self._qualified(value.func) in PARAMETERS:
@@ -300,9 +341,13 @@ class _ClassScanner:
         qualified = self.facts.qualify(text) if text else None
         return qualified[0] if qualified else None
 
-    def _refs(self, node: ast.expr) -> tuple[Ref, ...]:
+    def _refs(self, node: ast.expr, depth: int = 0) -> tuple[Ref, ...]:
+        if depth > 8:
+            return ()
         if isinstance(node, ast.IfExp):
-            return self._refs(node.body) + self._refs(node.orelse)
+            return _union(self._refs(node.body, depth + 1), self._refs(node.orelse, depth + 1))
+        if isinstance(node, ast.Name) and node.id in self.bound:  # a local holding a built module
+            return _union(*(self._refs(v, depth + 1) for v in self.bound[node.id]))
         if not isinstance(node, ast.Call):
             return ()
         func = node.func
@@ -310,20 +355,63 @@ class _ClassScanner:
             func = func.value  # LlamaModel._from_config(config) builds a LlamaModel
         text = _dotted(func)
         qualified = self.facts.qualify(text) if text else None
-        if qualified is None:
-            return ()
+        if qualified is None:  # a class chosen at run time: a local alias, a table entry
+            return self._classes(func, depth + 1)
         name, local = qualified
         if name in MODULE_LISTS:
-            return (self._module_list(name, node),)
+            return (self._module_list(name, node, depth),)
         return (Ref(name, local),)
 
-    def _module_list(self, name: str, call: ast.Call) -> Ref:
+    def _classes(self, node: ast.expr, depth: int) -> tuple[Ref, ...]:
+        """The classes an expression may name: a class, a local alias of one (``ffn_class = A if c
+        else B``), an entry of a literal table (``MIXER_TYPES[kind]``, a local dict of classes)."""
+        if depth > 8:
+            return ()
+        if isinstance(node, ast.IfExp):
+            return _union(self._classes(node.body, depth + 1), self._classes(node.orelse, depth + 1))
+        if isinstance(node, ast.Subscript):
+            return _union(*(self._classes(v, depth + 1) for v in self._table(node.value)))
+        if isinstance(node, ast.Name) and node.id in self.bound:
+            return _union(*(self._classes(v, depth + 1) for v in self.bound[node.id]))
+        text = _dotted(node)
+        qualified = self.facts.qualify(text) if text else None
+        if qualified is None or qualified[0] in MODULE_LISTS:
+            return ()
+        return (Ref(*qualified),)
+
+    def _table(self, node: ast.expr) -> tuple[ast.expr, ...]:
+        """The values of a literal dict / list / tuple, given inline, as a local or at module level."""
+        values = _literal_values(node)
+        if values is not None:
+            return values
+        if isinstance(node, ast.Name):
+            if node.id in self.bound:
+                return tuple(v for bound in self.bound[node.id] for v in (_literal_values(bound) or ()))
+            return tuple(self.facts.tables.get(node.id, ()))
+        return ()
+
+    def _module_list(self, name: str, call: ast.Call, depth: int = 0) -> Ref:
         arg = call.args[0] if call.args else next((k.value for k in call.keywords if k.arg == "modules"), None)
         if isinstance(arg, (ast.List, ast.Tuple)):
-            return Ref(name, False, tuple(self._refs(e) for e in arg.elts), literal=True)
+            return Ref(name, False, tuple(self._refs(e, depth + 1) for e in arg.elts), literal=True)
         if isinstance(arg, (ast.ListComp, ast.GeneratorExp)):
-            return Ref(name, False, (self._refs(arg.elt),))
+            return Ref(name, False, (self._refs(arg.elt, depth + 1),))
+        if isinstance(arg, ast.Name) and arg.id in self.appended:  # a local list filled in a loop
+            return Ref(name, False, (_union(*(self._refs(v, depth + 1) for v in self.appended[arg.id])),))
         return Ref(name, False, ())
+
+    def _grown(self, ref: Ref, attr: str) -> Ref:
+        """A ModuleList attribute with the elements ``self.<attr>.append(...)`` adds to it."""
+        if ref.name not in MODULE_LISTS or attr not in self.appended or ref.literal:
+            return ref
+        added = _union(*(self._refs(v) for v in self.appended[attr]))
+        old = ref.elements[0] if ref.elements else ()
+        return Ref(ref.name, False, (_union(old, added),)) if added else ref
+
+
+def _union(*groups: tuple[Ref, ...]) -> tuple[Ref, ...]:
+    """The refs of every group, each once, in order."""
+    return tuple(dict.fromkeys(ref for group in groups for ref in group))
 
 
 def _may_be_none(value: ast.expr) -> bool:
@@ -350,7 +438,7 @@ def analyze(module: str, source: str) -> ModuleFacts:
     except SyntaxError as exc:
         raise PlanError(f"{module}: the source does not parse ({exc.msg}, line {exc.lineno}); fix the module") from exc
     classes: dict[str, ClassFacts] = {}
-    facts = ModuleFacts(module=module, imports=_imports(module, tree), classes=classes)
+    facts = ModuleFacts(module=module, imports=_imports(module, tree), classes=classes, tables=_tables(tree))
     nodes = [n for n in _top_statements(tree.body) if isinstance(n, ast.ClassDef)]
     for node in nodes:  # names first, so that bases and children qualify as local
         classes[node.name] = ClassFacts(node.name, node.lineno, (), {}, (), None, {})
