@@ -133,6 +133,8 @@ SHRINK: dict[str, Any] = dict(
     vision_hidden_size=32, mm_hidden_size=32, intermediate_size_mlp=64, global_head_dim=8, kv_channels=8,
     hidden_size_per_layer_input=8, vocab_size_per_layer_input=128, altup_num_inputs=2, laurel_rank=8,
     num_kv_shared_layers=0, attention_chunk_size=8,
+    n_group=2, num_expert_group=2, topk_group=1,  # group-limited routing: 2 groups of the 4 experts, top-1 group
+    moe_hidden_size=32,
 )
 _INDEX_LIST = re.compile(r"(idx|indices|index|layers|_ids)$")
 
@@ -142,6 +144,8 @@ FAMILY_EXTRA: dict[str, dict[str, Any]] = {
     "dory": dict(num_hidden_layers=3, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
                  n_input_layers=1, n_recurrent_layers=1, n_output_layers=1),
     "bamba": dict(attn_layer_indices=[1]),  # one attention layer next to the mamba one
+    "deepseek_v2": dict(num_experts_per_tok=2),  # None by default (unset)
+    "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1),  # layer 1: attention + MoE
     "cohere_compass": dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
 }
 RETRIES: tuple[dict[str, Any], ...] = ({}, {"num_key_value_heads": 4})
@@ -193,6 +197,8 @@ def shrunk_kwargs(cls: type) -> dict[str, Any]:
     for key in ("sliding_window", "attention_window"):
         if isinstance(default.get(key), int):
             out[key] = 8
+    if "kv_lora_rank" in default:
+        _shrink_mla(default, out)
     rope = default.get("rope_parameters")
     if isinstance(rope, dict) and rope and _uses_mrope(cls, rope):
         out["rope_parameters"] = {**rope, "mrope_section": [2, 1, 1]}  # sums to head_dim / 2
@@ -203,6 +209,20 @@ def shrunk_kwargs(cls: type) -> dict[str, Any]:
             except Exception:  # noqa: BLE001 - an AutoConfig placeholder: leave its default
                 pass
     return out
+
+
+def _shrink_mla(default: dict[str, Any], out: dict[str, Any]) -> None:
+    """MLA's head widths kept consistent: one K/V head per query head (kv_b_proj expands the
+    latent to every head), the stored ``qk_head_dim`` = nope + rope, and ``head_dim`` (what the
+    rotary table is built for) the rope width over the partial-rotary factor, as in the defaults."""
+    if "num_key_value_heads" in out:
+        out["num_key_value_heads"] = out.get("num_attention_heads", default.get("num_attention_heads"))
+    nope, rope = out.get("qk_nope_head_dim"), out.get("qk_rope_head_dim")
+    if "qk_head_dim" in default and nope and rope:
+        out["qk_head_dim"] = nope + rope
+    factor = (default.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0)
+    if rope and default.get("head_dim") and default["head_dim"] * factor == default.get("qk_rope_head_dim"):
+        out["head_dim"] = int(rope / factor)
 
 
 def _uses_mrope(cls: type, rope: dict[str, Any]) -> bool:

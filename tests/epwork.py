@@ -66,7 +66,8 @@ def hole(path: str) -> str:
     with torch.no_grad():
         model.model.embed_tokens.weight[:, 0] = 10.0
         for layer in model.model.layers:
-            gate = getattr(layer.mlp, "gate", None) or getattr(layer.mlp, "router", None)
+            mlp = getattr(layer, "mlp", None) or layer.feed_forward
+            gate = getattr(mlp, "gate", None) or getattr(mlp, "router", None)
             if gate is not None and getattr(gate, "weight", None) is not None and gate.weight.dim() == 2:
                 n = gate.weight.shape[0]
                 gate.weight[: n // 2, 0] = 5.0
@@ -80,7 +81,7 @@ def _routing(model) -> tuple[list, list]:
     seen: list = []
     handles = []
     for name, module in model.named_modules():
-        if name.endswith(("mlp.gate", "mlp.router")) and "shared" not in name:  # router: GPT-OSS
+        if name.endswith(("mlp.gate", "mlp.router", "feed_forward.router")) and "shared" not in name:  # GPT-OSS, Jamba
             handles.append(module.register_forward_hook(lambda m, a, out: seen.append(out[2].detach().clone())))
     return seen, handles
 

@@ -85,6 +85,12 @@ MORE_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     # (attn.gqkv_proj) and gate/up into another, chunked back on load (shard-on-read reads them whole)
     "hrm_text": ("HrmTextConfig", {"head_dim": 8, "L_cycles": 2, "H_cycles": 2,
                                    "L_bp_cycles": [1]}),
+    # Jamba: layers of two classes (mamba, attention) picked from a table, each with a feed-forward
+    # picked by a conditional (MoE on odd layers): layer 0 mamba + MLP, layer 1 attention + MoE
+    "jamba": ("JambaConfig", {"num_experts": 4, "num_experts_per_tok": 2, "attn_layer_period": 2,
+                              "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1,
+                              "mamba_d_state": 8, "mamba_d_conv": 4, "mamba_expand": 2, "mamba_dt_rank": 4,
+                              "use_mamba_kernels": False}),
 }
 """Models only some test modules use (the parity modules sweep :data:`CONFIGS`)."""
 

@@ -39,7 +39,8 @@ def _check(pool, path: str, impl: str = "grouped_mm") -> dict[str, float]:
                                             ("qwen3_moe", "batched_mm"), ("qwen2_moe", "grouped_mm"),
                                             ("deepseek_v2", "grouped_mm"),  # MLA attention, a shared expert
                                             ("gpt_oss", "eager"),  # expert biases, forward(.., router_indices, routing_weights)
-                                            ("muse_spark", "eager"), ("muse_spark", "grouped_mm")])  # a norm kept whole in the experts
+                                            ("muse_spark", "eager"), ("muse_spark", "grouped_mm"),  # a norm kept whole in the experts
+                                            ("jamba", "grouped_mm")])  # layer classes chosen from a table
 def test_ep_matches_one_process(ready, name: str, impl: str) -> None:
     pool, root = ready
     errors = _check(pool, models.build(name, root), impl)
