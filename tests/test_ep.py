@@ -158,3 +158,44 @@ def test_experts_forward_it_cannot_read_refused(ready) -> None:
                "'top_k_weights') or ('hidden_states', 'router_indices', 'routing_weights'), but Qwen3MoeExperts.forward "
                "takes ('hidden_states', 'expert_ids', 'expert_weights'); leave these experts out of ep" in o
                for o in out), out
+
+
+def _region_refusal(rank: int, world: int, replicated: tuple[str, ...], tp_cut: bool, cut_down: bool = True) -> str:
+    """validate() of a real Qwen3-MoE experts module on the ep group against a hand-made contract."""
+    import types
+
+    import transformers
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    import hp_lazy
+    from hp_lazy.errors import ShardingError
+    from hp_lazy.plan.model import Contract, Region
+    from hp_lazy.plan.placement import Shard
+    from hp_lazy.runtime.ep.style import ExpertParallelStyle
+
+    config = transformers.Qwen3MoeConfig(hidden_size=8, moe_intermediate_size=4, num_experts=4)
+    axes = {"ep": Shard(0), **({"tp": Shard(1)} if tp_cut else {})}
+    params = {"gate_up_proj": axes, **({"down_proj": {"ep": Shard(0)}} if cut_down else {})}
+    contract = Contract(pattern="model.layers.*.mlp.experts", params=params,
+                        region=Region(kind="ep_dispatch", replicated=replicated))
+    ctx = types.SimpleNamespace(groups={"ep": hp_lazy.mesh().group("ep")}, root=Qwen3MoeExperts(config))
+    try:
+        ExpertParallelStyle().validate("model.layers.1.mlp.experts", ctx.root, contract, ctx)  # type: ignore[arg-type]
+    except ShardingError as error:
+        return str(error)
+    return "accepted"
+
+
+def test_region_replicated_names_are_checked(ready) -> None:
+    pool, _ = ready
+    assert pool.run(_region_refusal, ("post_norm",), False)[0] == (
+        "model.layers.1.mlp.experts (Qwen3MoeExperts): the plan keeps ['post_norm'] whole on every ep rank, but "
+        "Qwen3MoeExperts has no such parameter or submodule with parameters; fix the plan")
+    assert pool.run(_region_refusal, ("down_proj",), True, False)[0] == (
+        "model.layers.1.mlp.experts (Qwen3MoeExperts): the plan keeps ['down_proj'] whole inside experts it also "
+        "cuts on tp (['gate_up_proj']): they would run on each tp rank's partial expert outputs, which is not one "
+        "process's math; leave the experts unsharded on tp (drop their TP entries) or train without tp")
+    assert pool.run(_region_refusal, ("down_proj",), False)[0] == (
+        "model.layers.1.mlp.experts (Qwen3MoeExperts): the plan both cuts ['down_proj'] on ep and keeps them whole "
+        "on every rank (region \"replicated\"); an expert shard is one or the other: remove it from one of the two")
+    assert pool.run(_region_refusal, ("down_proj",), False, False)[0] == "accepted"  # Muse Spark's layout

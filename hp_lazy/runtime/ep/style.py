@@ -115,6 +115,12 @@ class ExpertParallelStyle:
                 f"{fqn} ({family}): the plan keeps {missing} whole on every ep rank, but "
                 f"{type(module).__qualname__} has no such parameter or submodule with parameters; fix the plan"
             )
+        both = sorted(n for n, p in module.named_parameters() if n in whole and id(p) in planned)
+        if both:
+            raise ShardingError(
+                f"{fqn} ({family}): the plan both cuts {both} on ep and keeps them whole on every rank (region "
+                "\"replicated\"); an expert shard is one or the other: remove it from one of the two"
+            )
         tp_cut = sorted(name for name, axes in contract.params.items() if isinstance(axes.get("tp"), Shard))
         if whole and tp_cut:
             raise ShardingError(
