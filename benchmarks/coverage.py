@@ -134,7 +134,7 @@ SHRINK: dict[str, Any] = dict(
     hidden_size_per_layer_input=8, vocab_size_per_layer_input=128, altup_num_inputs=2, laurel_rank=8,
     num_kv_shared_layers=0, attention_chunk_size=8,
     n_group=2, num_expert_group=2, topk_group=1,  # group-limited routing: 2 groups of the 4 experts, top-1 group
-    moe_hidden_size=32,
+    moe_hidden_size=32, first_k_dense_replace=1,  # layer 0 dense, layer 1 MoE (defaults of 2-3 leave no MoE layer)
 )
 _INDEX_LIST = re.compile(r"(idx|indices|index|layers|_ids)$")
 
