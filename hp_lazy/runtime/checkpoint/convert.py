@@ -114,7 +114,7 @@ def local_transpose(shapes: dict[str, tuple[int, ...]]) -> Iterator[None]:
             tensors = next(iter(input_dict.values()))
             return {self.get_target_pattern(input_dict, source_patterns, target_patterns):
                     tensors[0] if isinstance(tensors, list) else tensors}
-        if stored is None or set(cut) & swapped:
+        if (stored is None and cut) or set(cut) & swapped:  # an uncut tensor is read whole: one process's case
             refused.append(ShardingError(
                 f"{name}: transformers converts its checkpoint tensor (stored shape "
                 f"{list(stored) if stored is not None else 'unknown'}) with Transpose({self.dim0}, {self.dim1}) into "
