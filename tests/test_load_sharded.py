@@ -185,7 +185,7 @@ def _vl_shards(rank: int, world: int, path: str, keep_transformers_transpose: bo
 
     original = convert.local_transpose
     if keep_transformers_transpose:
-        convert.local_transpose = lambda shapes: contextlib.nullcontext()
+        convert.local_transpose = lambda files: contextlib.nullcontext()
     try:
         model = transformers.AutoModel.from_pretrained(path, dtype=torch.float32)
     except Exception as error:  # noqa: BLE001 - the text is the result

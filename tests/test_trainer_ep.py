@@ -51,3 +51,13 @@ def test_trainer_resumes_under_ep(ready, tmp_path, optim: str) -> None:
     lost = models.rel_err(ref["resumed"]["state"]["model.layers.1.mlp.experts.down_proj"],
                           ref["straight"]["state"]["model.layers.1.mlp.experts.down_proj"])
     assert lost > 1e-4  # transformers' resume of this MoE, one process: the experts are not restored
+
+
+def test_trainer_under_ep_gpt_oss(ready, tmp_path) -> None:
+    """The Trainer (clipping on, SGD) on GPT-OSS under ep: experts with biases, called with
+    (hidden_states, router_indices, routing_weights), through the user's stack."""
+    pool, _ = ready
+    path = models.build("gpt_oss", str(tmp_path / "models"))
+    ref = trainwork.trainer(0, 1, path, str(tmp_path / "ref"), optim="sgd")
+    got = pool.run(trainwork.trainer, path, str(tmp_path / "hp"), optim="sgd")
+    trainwork.compare_trainer(got[0], ref, tol=trainwork.TOL["sgd"])

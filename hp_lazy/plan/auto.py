@@ -383,16 +383,15 @@ class _Builder:
             known = self.bodies.get(rule.pattern)
             body = dict(known[0]) if known is not None else self._ep_body(rule, name)
             params = {k: dict(v) for k, v in body.get("params", {}).items()}
-            mine = [r for r in rules
-                    if r.style == EP_PARAM and r.base == rule.base and r.key.startswith(rule.key + ".")]
+            under = [r for r in rules if r.base == rule.base and r.key.startswith(rule.key + ".")]
+            mine = [r for r in under if r.style == EP_PARAM]
             if not mine:
                 self._fail(rule, f"has no {EP_PARAM!r} expert parameters under it to cut over ep")
             for param in mine:
                 rel = param.key[len(rule.key) + 1 :]
                 params[rel] = {**params.get(rel, {}), "ep": "S(0)"}
             region: dict[str, object] = {"kind": "ep_dispatch"}
-            whole = sorted(r.key[len(rule.key) + 1 :] for r in rules
-                           if r.style == EP_REPLICATED and r.base == rule.base and r.key.startswith(rule.key + "."))
+            whole = sorted(r.key[len(rule.key) + 1 :] for r in under if r.style == EP_REPLICATED)
             if whole:
                 region["replicated"] = whole
             body.update(params=params, region=region, skip_source_lowering=True)

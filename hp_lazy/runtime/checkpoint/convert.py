@@ -85,8 +85,9 @@ def _stored(shapes: dict[str, tuple[int, ...]], name: str) -> tuple[int, ...] | 
 
 
 @contextlib.contextmanager
-def local_transpose(shapes: dict[str, tuple[int, ...]]) -> Iterator[None]:
-    """``Transpose.convert`` decided by the stored layout while the block runs (module docstring)."""
+def local_transpose(files: Sequence[Any]) -> Iterator[None]:
+    """``Transpose.convert`` decided by the stored layout while the block runs (module docstring);
+    the checkpoint headers of ``files`` are read once, at the first transpose of a sharded parameter."""
     try:
         ops = importlib.import_module("transformers.core_model_loading")
     except ImportError:
@@ -109,6 +110,8 @@ def local_transpose(shapes: dict[str, tuple[int, ...]]) -> Iterator[None]:
         full, local = tuple(param.shape), tuple(param.to_local().shape)
         swapped = {self.dim0 % len(full), self.dim1 % len(full)}
         cut = sorted(d for d in range(len(full)) if full[d] != local[d])
+        if not shapes:
+            shapes.update(stored_shapes(files))
         stored = _stored(shapes, name)
         if self.check_dims and stored == full:  # stored as the model lays it out
             tensors = next(iter(input_dict.values()))
@@ -126,6 +129,7 @@ def local_transpose(shapes: dict[str, tuple[int, ...]]) -> Iterator[None]:
         return original(self, input_dict, source_patterns, target_patterns, **kwargs)
 
     refused: list[ShardingError] = []
+    shapes: dict[str, tuple[int, ...]] = {}
     cls.convert = convert
     try:
         yield

@@ -62,7 +62,7 @@ def patch_transformers(lowering: str) -> None:
             return load(model, state_dict, checkpoint_files, load_config, *args, **kwargs)
         whole = _present_meta(model, getattr(load_config, "weight_mapping", None) or ())
         try:
-            with convert.local_transpose(convert.stored_shapes(checkpoint_files)):
+            with convert.local_transpose(checkpoint_files):
                 loaded = load(model, state_dict, checkpoint_files, load_config, *args, **kwargs)
         finally:
             _to_local(model, whole)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import math
 import re
 from collections.abc import Iterator, Sequence
 
@@ -96,16 +95,23 @@ def collective_counter() -> Iterator[CollectiveCounter]:
         _ACTIVE.remove(counter)
 
 
-def _record(op: str, phase: Phase | None, nbytes: int) -> None:
-    if _ACTIVE:
-        key = (op, phase or _current_phase())
-        for counter in _ACTIVE:
-            counter.counts[key] += 1
-            counter.payload[key] += nbytes
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+def _record(
+    op: str, phase: Phase | None, t: torch.Tensor, exchange: Group | None = None, splits: Sequence[int] | None = None
+) -> None:
+    """Count one call of ``op`` on ``t`` (nothing is computed unless a counter is active). For an
+    all-to-all over ``exchange`` the payload leaves out the rank's own chunk: the equal chunks of
+    ``t``, or the run of ``splits`` (rows per destination) that stays."""
+    if not _ACTIVE:
+        return
+    nbytes = t.numel() * t.element_size()
+    if exchange is not None:
+        total = int(sum(splits)) if splits is not None else exchange.size
+        own = int(splits[exchange.rank]) if splits is not None else 1
+        nbytes = nbytes * (total - own) // total if total else 0
+    key = (op, phase or _current_phase())
+    for counter in _ACTIVE:
+        counter.counts[key] += 1
+        counter.payload[key] += nbytes
 
 
 def _current_phase() -> Phase:
@@ -128,7 +134,7 @@ def all_reduce(
     t: torch.Tensor, g: Group, phase: Phase | None, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
 ) -> torch.Tensor:
     """All-reduce ``t`` in place (``t`` must be contiguous); returns ``t``."""
-    _record("all_reduce", phase, _nbytes(t))
+    _record("all_reduce", phase, t)
     dist.all_reduce(t, op=op, group=g.pg)
     return t
 
@@ -152,7 +158,7 @@ def all_reduce_async(t: torch.Tensor, g: Group) -> Pending:
     """Start summing the contiguous ``t`` over ``g`` in place; counted in the phase it starts in."""
     if g.size == 1:
         return Pending(t, None)
-    _record("all_reduce", None, _nbytes(t))
+    _record("all_reduce", None, t)
     return Pending(t, dist.all_reduce(t, group=g.pg, async_op=True))
 
 
@@ -164,7 +170,7 @@ def all_gather(x: torch.Tensor, g: Group, dim: int, phase: Phase | None) -> torc
 
 def _gather_stacked(x: torch.Tensor, g: Group, phase: Phase | None) -> torch.Tensor:
     """``[...] -> [W, ...]``: every rank's ``x`` in rank order."""
-    _record("all_gather", phase, _nbytes(x))
+    _record("all_gather", phase, x)
     out = x.new_empty((g.size, *x.shape))
     _gather_single(out, x.unsqueeze(0).contiguous(), group=g.pg)
     return out
@@ -172,7 +178,7 @@ def _gather_stacked(x: torch.Tensor, g: Group, phase: Phase | None) -> torch.Ten
 
 def reduce_scatter(x: torch.Tensor, g: Group, dim: int, phase: Phase | None) -> torch.Tensor:
     """Sum ``[.., W*n, ..]`` over the group and keep chunk ``r``: ``[.., n, ..]``."""
-    _record("reduce_scatter", phase, _nbytes(x))
+    _record("reduce_scatter", phase, x)
     full = x.movedim(dim, 0).contiguous()
     backend = str(dist.get_backend(g.pg))
     if backend not in _NO_REDUCE_SCATTER:
@@ -191,7 +197,7 @@ def reduce_scatter(x: torch.Tensor, g: Group, dim: int, phase: Phase | None) -> 
 
 def all_to_all(x: torch.Tensor, g: Group, split_dim: int, cat_dim: int, phase: Phase | None) -> torch.Tensor:
     """Chunk ``j`` of ``split_dim`` goes to rank ``j``; received chunks are concatenated on ``cat_dim``."""
-    _record("all_to_all", phase, _nbytes(x) * (g.size - 1) // g.size)
+    _record("all_to_all", phase, x, g)
     n = x.shape[split_dim] // g.size
     send = x.unflatten(split_dim, (g.size, n)).movedim(split_dim, 0).contiguous()
     recv = torch.empty_like(send)
@@ -208,8 +214,7 @@ def all_to_all_v(
     Issued on every rank whatever the counts: a rank that sends or receives zero rows still
     takes part (an empty tensor on the wire), so no rank is left waiting.
     """
-    rows = int(sum(send_splits)) - int(send_splits[g.rank])
-    _record("all_to_all", phase, rows * math.prod(x.shape[1:]) * x.element_size())
+    _record("all_to_all", phase, x, g, send_splits)
     recv = x.new_empty((int(sum(recv_splits)), *x.shape[1:]))
     dist.all_to_all_single(
         recv, x.contiguous(), output_split_sizes=list(recv_splits), input_split_sizes=list(send_splits), group=g.pg

@@ -58,14 +58,16 @@ class ExpertDispatch(_Module):
 
     def forward(self, hidden_states: torch.Tensor, *args: torch.Tensor, **kwargs: torch.Tensor) -> Any:
         spec: Dispatch = getattr(self, EP_DISPATCH)
-        routing = dict(zip(spec.routing, args, strict=False))
-        if len(args) > 2 or set(routing) & set(kwargs) or set(kwargs) | set(routing) != set(spec.routing):
-            raise TypeError(
-                f"{type(self).__qualname__}.forward under expert parallel takes (hidden_states, "
-                f"{', '.join(spec.routing)}), got {len(args)} more positional and keywords {sorted(kwargs)}"
-            )
-        routing.update(kwargs)
-        index, weights = (routing[name] for name in spec.routing)
+        if len(args) == 2 and not kwargs:  # how the MoE blocks call their experts
+            index, weights = args
+        else:
+            routing = {**dict(zip(spec.routing, args, strict=False)), **kwargs}
+            if len(args) + len(kwargs) != 2 or set(routing) != set(spec.routing):
+                raise TypeError(
+                    f"{type(self).__qualname__}.forward under expert parallel takes (hidden_states, "
+                    f"{', '.join(spec.routing)}), got {len(args)} more positional and keywords {sorted(kwargs)}"
+                )
+            index, weights = routing[spec.routing[0]], routing[spec.routing[1]]
         return dispatch(self, super().forward, spec, hidden_states, index, weights)
 
 

@@ -64,6 +64,11 @@ def _under(name: str, prefix: str) -> bool:
     return name == prefix or name.startswith(prefix + ".")
 
 
+def _forward_names(module: nn.Module) -> tuple[str, ...]:
+    """The first three parameter names of the experts class's own forward (after ``self``)."""
+    return tuple(inspect.signature(leaves.own_forward(type(module))).parameters)[1:4]
+
+
 def _whole(module: nn.Module, contract: Contract) -> set[str]:
     """The names of the module's parameters the region keeps whole (``Region.replicated``)."""
     kept = contract.region.replicated if contract.region is not None else ()
@@ -100,12 +105,12 @@ class ExpertParallelStyle:
                 f"{fqn} ({family}): num_experts={total} is not divisible by ep={ep}; use an ep that divides "
                 f"{total} (one of {[d for d in range(1, total + 1) if total % d == 0]})"
             )
-        names = list(inspect.signature(leaves.own_forward(type(module))).parameters)[1:4]
+        names = _forward_names(module)
         if len(names) < 3 or any(name not in known for name, known in zip(names, ALIASES, strict=False)):
             raise ShardingError(
                 f"{fqn} ({family}): the ep_dispatch region replaces a forward(hidden states [T, H], top-k expert "
                 f"ids [T, K], top-k weights [T, K]) named {FORWARD} or {tuple(a[-1] for a in ALIASES)}, but "
-                f"{type(module).__qualname__}.forward takes {tuple(names)}; leave these experts out of ep"
+                f"{type(module).__qualname__}.forward takes {names}; leave these experts out of ep"
             )
         planned = {id(p) for name in cut for _, p in params_matching(module, name)}
         whole = _whole(module, contract)
@@ -155,9 +160,9 @@ class ExpertParallelStyle:
             return
         total: int = module.num_experts  # type: ignore[assignment]
         group = ctx.groups["ep"]
-        names = tuple(inspect.signature(leaves.own_forward(type(module))).parameters)[2:4]
+        routing = _forward_names(module)[1:]
         module.__dict__[EP_DISPATCH] = Dispatch(
-            group=group, num_local=total // group.size, num_global=total, routing=names  # type: ignore[arg-type]
+            group=group, num_local=total // group.size, num_global=total, routing=routing  # type: ignore[arg-type]
         )
         setattr(module, "num_experts", total // group.size)  # the class's kernels see the local experts only
         self.experts.append((fqn, module, _whole(module, contract)))
