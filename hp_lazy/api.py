@@ -88,6 +88,7 @@ def activate(
     cache = Cache(None if cache_dir is None else os.fspath(cache_dir))
     when_imported("accelerate.accelerator", _integrate_accelerate)  # before install: its finder stays first
     when_imported("transformers.trainer", _integrate_trainer)
+    when_imported("trl.trainer.utils", _integrate_trl)
     handle = install(resolved, cache=cache, lower=_lower, bind=_register, runtime=_runtime)
     from hp_lazy.runtime import options
 
@@ -129,6 +130,13 @@ def _integrate_trainer(module: ModuleType) -> None:
     from hp_lazy.integrations import transformers
 
     transformers.install(module, degrees=_active_degrees)
+
+
+def _integrate_trl(module: ModuleType) -> None:
+    """TRL's fused LM head on a vocab-sharded head: see :mod:`hp_lazy.integrations.trl`."""
+    from hp_lazy.integrations import trl
+
+    trl.install(module)
 
 
 def _active_degrees() -> dict[str, int] | None:

@@ -46,6 +46,7 @@ from hp_lazy.runtime.style import (
     get_param,
     params_matching,
 )
+from hp_lazy.runtime.tp import logprobs
 from hp_lazy.runtime.tp.style import TensorParallelStyle
 
 __all__ = ["STYLES", "parallelize", "refresh"]
@@ -81,6 +82,12 @@ def parallelize(model: nn.Module, *, data_parallel: bool | None = None) -> nn.Mo
     if laid_out is None:
         laid_out = bind_layout(model)
     elif not isinstance(laid_out, LaidOut):
+        watch = model.__dict__.get(WATCH)
+        top = watch.top() if watch is not None else None
+        if top is not None and top is not model and LAID_OUT in top.__dict__:
+            model.__dict__[LAID_OUT] = laid_out
+            parallelize(top)  # its backbone called first (TRL's fused head runs model.base_model)
+            return model
         raise ShardingError(
             f"{type(model).__qualname__}: from_pretrained laid this module out as part of {laid_out} (its "
             "parameters are already this rank's shards); call parallelize on that top-level model"
@@ -93,6 +100,7 @@ def parallelize(model: nn.Module, *, data_parallel: bool | None = None) -> nn.Mo
     for root in laid_out.roots:
         inputs.install(root, laid_out.mesh.group_of(("cp", "tp")))
     model.__dict__[LAYOUT_ATTR] = laid_out.table
+    logprobs.register_head(model, laid_out.table)
     clip.register(model)
     clip.install()  # torch's clip_grad_norm_ on this model's gradients: one process's norm
     from hp_lazy.runtime.checkpoint import hooks as checkpoint  # DTensor is imported only when a model binds

@@ -1,0 +1,90 @@
+"""TRL at tp=2 (world 2), against one process: ``SFTTrainer`` (packing off and on,
+``completion_only_loss``) — logged loss, grad norm, entropy and token accuracy per step and every
+parameter after 3 steps — and TRL's fused LM head in a user loop (every per-token field and every
+gradient, with temperature, logit scale and softcapping), with the bytes its collectives move.
+Negative control: TRL's own kernel on the vocab shard is silently wrong."""
+
+from __future__ import annotations
+
+import math
+
+import models
+import parity
+import pytest
+import trlwork
+from dist import DistPool, pool_fixture
+
+pytest.importorskip("trl")
+
+pool2 = pool_fixture(2, timeout=240)
+_REFS: dict[tuple, dict] = {}
+
+
+def _reference(fn, *args, **kwargs) -> dict:
+    key = (fn.__name__, args, tuple(sorted(kwargs.items())))
+    if key not in _REFS:
+        _REFS[key] = fn(0, 1, *args, **kwargs)
+    return _REFS[key]
+
+
+@pytest.fixture
+def pool(pool2: DistPool) -> DistPool:
+    return parity.activated(pool2, tp=2)
+
+
+@pytest.mark.parametrize("variant", [{}, {"packing": True}, {"completion_only": True}],
+                         ids=["plain", "packing", "completion_only"])
+def test_sft_trainer(pool: DistPool, refs, tmp_path, variant: dict) -> None:
+    path, _ = refs("llama")
+    ref = _reference(trlwork.sft, path, str(tmp_path / "ref"), **variant)
+    assert ref["loss"][0] > math.log(models.VOCAB) - 0.1  # a softmax over the whole vocabulary
+    got = pool.run(trlwork.sft, path, str(tmp_path / "hp"), **variant)
+    trlwork.compare(got[0], ref)
+    trlwork.compare(got[1], {k: v for k, v in ref.items() if k != "state"})
+
+
+def test_sft_trainer_adamw(pool: DistPool, refs, tmp_path) -> None:
+    path, _ = refs("llama")
+    ref = _reference(trlwork.sft, path, str(tmp_path / "ref"), optim="adamw_torch")
+    trlwork.compare(pool.run(trlwork.sft, path, str(tmp_path / "hp"), optim="adamw_torch")[0], ref, tol=1e-4)
+
+
+def test_stock_kernel_on_the_shard_is_wrong(pool: DistPool, refs, tmp_path) -> None:
+    """Negative control: without hp_lazy's dispatcher, TRL takes a softmax over V/2 words."""
+    path, _ = refs("llama")
+    ref = _reference(trlwork.sft, path, str(tmp_path / "ref"))
+    got = pool.run(trlwork.stock_sft, path, str(tmp_path / "stock"))
+    assert abs(float(got[0]["loss"][0]) - math.log(models.VOCAB / 2)) < 0.15
+    with pytest.raises(AssertionError, match="relative errors above"):
+        trlwork.compare(got[0], ref)
+
+
+@pytest.mark.parametrize("knobs", [
+    {"outputs": ("entropy", "is_top1")},
+    {"outputs": ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1"), "temperature": 0.7, "softcap": 3.0,
+     "scale": 1.5},
+], ids=["sft-fields", "every-field-scaled"])
+def test_fused_head_user_loop(pool: DistPool, refs, knobs: dict) -> None:
+    """The fused call is the model's first forward (its backbone binds the whole model)."""
+    path, _ = refs("llama")
+    ids = models.batch()
+    ref = _reference(trlwork.fused_head, path, ids, **knobs)
+    got = pool.run(trlwork.fused_head, path, ids, **knobs)
+    for name, value in ref["fields"].items():
+        for rank in got:
+            assert models.rel_err(rank["fields"][name], value) <= parity.TOL, name
+    errors = {n: models.rel_err(got[0]["grads"][n], g) for n, g in ref["grads"].items()}
+    assert max(errors.values()) <= parity.TOL, sorted(errors.items(), key=lambda e: -e[1])[:3]
+
+
+def test_fused_head_bytes(pool: DistPool, refs) -> None:
+    """The head adds two all-reduces of [2, N] and [5, N] fp32 in forward and one of [N, H] (the
+    hidden gradient) in backward: no weight moves."""
+    path, _ = refs("llama")
+    ids = models.batch()  # [2, 16]: N = 2 * 15 scored positions
+    n, hidden = ids.shape[0] * (ids.shape[1] - 1), 32
+    for rank in pool.run(trlwork.counted_fused_head, path, ids):
+        extra = {k: rank["whole"].get(k, 0) - rank["backbone"].get(k, 0) for k in rank["whole"]}
+        assert extra[("all_reduce", "forward")] == 7 * n * 4
+        assert extra[("all_reduce", "backward")] == n * hidden * 4
+        assert all(v == 0 for k, v in extra.items() if k[0] != "all_reduce")

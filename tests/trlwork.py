@@ -1,0 +1,139 @@
+"""TRL's trainers, run the way their users run them, on the ranks of a pool (under an active plan)
+and in the pytest process (one process, no hp_lazy: the reference).
+
+TRL computes its loss and metrics through a fused LM head (``trl.trainer.utils.add_fused_lm_head``
+replaces ``model.forward`` and reads ``get_output_embeddings().weight`` directly), which is where a
+vocab-sharded head must not be read as if it were whole.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import models
+import trainwork
+
+SEQ = 16
+
+
+def tokenizer():
+    """A word-level tokenizer over the tiny models' vocabulary (no download): token ``i`` is ``t<i>``."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(models.VOCAB)}
+    core = Tokenizer(WordLevel(vocab, unk_token="t1"))
+    core.pre_tokenizer = Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=core, unk_token="t1", pad_token="t0", eos_token="t2")
+
+
+def _dataset(completion_only: bool):
+    """16 rows of pre-tokenized ids; with ``completion_only``, prompt/completion texts (the first 6
+    tokens are the prompt, which the loss leaves out)."""
+    from datasets import Dataset
+
+    ids = models.batch(seed=3, batch_size=trainwork.ROWS, seq=SEQ).tolist()
+    if completion_only:
+        text = [[f"t{i}" for i in row] for row in ids]
+        return Dataset.from_dict({"prompt": [" ".join(r[:6]) for r in text], "completion": [" ".join(r[6:]) for r in text]})
+    return Dataset.from_dict({"input_ids": ids})
+
+
+def sft(rank: int, world: int, path: str, out: str, packing: bool = False, completion_only: bool = False,
+        optim: str = "sgd") -> dict[str, Any]:
+    """``SFTTrainer(model=..., args=SFTConfig(...), train_dataset=...).train()``, 3 steps: every rank
+    returns the logged loss, grad norm, entropy and token accuracy per step, rank 0 the parameters."""
+    import torch
+    from trl import SFTConfig, SFTTrainer
+
+    import hp_lazy
+    from hp_lazy.api import active_plan
+
+    model = trainwork.parity._load(path)
+    dp = hp_lazy.mesh().group("dp").size if active_plan() is not None else 1
+    args = SFTConfig(
+        output_dir=out, per_device_train_batch_size=trainwork.GLOBAL_BATCH // dp, max_steps=3, logging_steps=1,
+        report_to=[], optim=optim, learning_rate=0.1 if optim == "sgd" else 1e-3, weight_decay=0.01,
+        save_strategy="no", use_cpu=True, disable_tqdm=True, packing=packing, max_length=SEQ * 2 if packing else SEQ,
+        completion_only_loss=completion_only if completion_only else None, dataset_num_proc=None, seed=0,
+        padding_free=False, bf16=False,  # TRL turns bf16 autocast on by default: parity is checked in fp32
+    )
+    run = SFTTrainer(model=model, args=args, train_dataset=_dataset(completion_only), processing_class=tokenizer())
+    run.train()
+    logged = [h for h in run.state.log_history if "loss" in h]
+    result: dict[str, Any] = {
+        key: torch.tensor([h[key] for h in logged], dtype=torch.float64)
+        for key in ("loss", "grad_norm", "entropy", "mean_token_accuracy")
+    }
+    state = hp_lazy.full_state_dict(model) if active_plan() is not None else {
+        k: v.detach().clone() for k, v in model.state_dict().items()}
+    if rank == 0:
+        result["state"] = state
+    return result
+
+
+def compare(got: dict[str, Any], ref: dict[str, Any], tol: float = 1e-5) -> dict[str, float]:
+    keys = ("loss", "grad_norm", "entropy", "mean_token_accuracy")
+    errors = {k: models.rel_err(got[k], ref[k]) for k in keys}
+    if "state" in got:
+        errors.update({f"param {n}": models.rel_err(got["state"][n], v) for n, v in ref["state"].items()})
+    bad = {k: v for k, v in errors.items() if not v <= tol}
+    assert not bad, f"relative errors above {tol}: {dict(list(bad.items())[:6])}"
+    return errors
+
+
+def stock_sft(rank: int, world: int, path: str, out: str) -> dict[str, Any]:
+    """Negative control: TRL's own kernel on the vocab shard (hp_lazy's dispatcher taken out)."""
+    import trl.trainer.utils as utils
+
+    routed = utils._ChunkedLogProbFunction
+    utils._ChunkedLogProbFunction = routed.__wrapped__
+    try:
+        return sft(rank, world, path, out)
+    finally:
+        utils._ChunkedLogProbFunction = routed
+
+
+def fused_head(rank: int, world: int, path: str, ids, outputs: tuple[str, ...], temperature: float = 1.0,
+               softcap: float | None = None, scale: float = 1.0) -> dict[str, Any]:
+    """A user loop on ``add_fused_lm_head``: the first call is the fused one (the backbone's forward
+    binds the model), then backward; every per-token field and, on rank 0, every full gradient."""
+    import torch
+    from trl.trainer.utils import add_fused_lm_head
+
+    import hp_lazy
+    from hp_lazy.api import active_plan
+
+    model = trainwork.parity._load(path)
+    model.config.final_logit_softcapping = softcap
+    model.config.logit_scale = scale
+    add_fused_lm_head(model, temperature=temperature, outputs=outputs)
+    out = model(input_ids=ids, labels=ids, fused_lm_head=True)
+    (out.loss + (out.entropy.sum() / 100 if out.entropy is not None else 0)).backward()
+    fields = {k: getattr(out, k).detach().double() for k in ("log_probs", *outputs) if getattr(out, k) is not None}
+    if active_plan() is None:
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    else:
+        grads = hp_lazy.full_grads(model)
+    result = {"fields": fields, "loss": out.loss.detach()}
+    if rank == 0:
+        result["grads"] = grads
+    return result
+
+
+def counted_fused_head(rank: int, world: int, path: str, ids) -> dict[str, dict[str, int]]:
+    """Collectives and their payload of one fused-head call and backward on a bound model, the
+    lowered backbone's excluded (counted apart on the same call without the head)."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    import hp_lazy
+
+    model = hp_lazy.parallelize(trainwork.parity._load(path))
+    add_fused_lm_head(model, outputs=("log_probs", "entropy", "is_top1"))
+    with hp_lazy.collective_counter() as whole:
+        model(input_ids=ids, labels=ids, fused_lm_head=True).loss.backward()
+    with hp_lazy.collective_counter() as backbone:
+        model.model(input_ids=ids).last_hidden_state.sum().backward()
+    return {"whole": dict(whole.payload), "backbone": dict(backbone.payload)}
