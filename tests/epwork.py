@@ -155,12 +155,17 @@ def _dp_tools():
 
 def train(rank: int, world: int, path: str, data: dict[str, Any], impl: str = "grouped_mm",
           grads: bool = True, config: dict[str, Any] | None = None, local_aux: bool = False,
-          dtype: str = "float32") -> dict[str, Any]:
+          dtype: str = "float32", register: bool = False) -> dict[str, Any]:
+    """``register``: a module registered under the bound model before training (a refresh)."""
     import sys
+
+    import torch
 
     import hp_lazy
 
     model = hp_lazy.parallelize(load(path, impl, config, dtype))
+    if register:
+        model.add_module("probe", torch.nn.Identity())
     module = sys.modules[type(model).__module__]
     original = getattr(getattr(module, "load_balancing_loss_func", None), "hp_original", None)  # DeepSeek: none
     if local_aux and original is not None:  # negative control: transformers' aux loss on this rank's rows

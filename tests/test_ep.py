@@ -47,6 +47,16 @@ def test_ep_matches_one_process(ready, name: str, impl: str) -> None:
     assert max(errors.values()) <= parity.TOL
 
 
+def test_refresh_keeps_the_expert_rules(ready) -> None:
+    """A module registered under the bound model re-binds it (the refresh PEFT, a resized
+    embedding or a wrapper set off): expert slices stay summed over their edp ranks, not averaged
+    over dp like a dense parameter (every expert gradient was 100% off)."""
+    pool, root = ready
+    path, data = models.build("qwen3_moe", root), epwork.batch()
+    ref = epwork.reference(path, data)
+    parity.compare(pool.run(epwork.train, path, data, register=True)[0], ref)
+
+
 @pytest.mark.parametrize(("name", "impl"), [("qwen3_moe", "eager"), ("qwen3_moe", "grouped_mm"), ("gpt_oss", "eager")])
 def test_router_hole(ready, name: str, impl: str) -> None:
     """Every token picks rank 0's experts: rank 1 receives no rows, its experts get zero gradients

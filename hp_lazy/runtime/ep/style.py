@@ -40,7 +40,7 @@ from hp_lazy.errors import ShardingError
 from hp_lazy.names import EP_DISPATCH
 from hp_lazy.plan.model import Contract
 from hp_lazy.plan.placement import Shard
-from hp_lazy.runtime import leaves
+from hp_lazy.runtime import adapters, leaves
 from hp_lazy.runtime.binding import Binding
 from hp_lazy.runtime.ep import aux
 from hp_lazy.runtime.ep.dispatch import Dispatch, ExpertDispatch
@@ -175,7 +175,13 @@ class ExpertParallelStyle:
         return True
 
     def gradients(self, ctx: BindContext) -> None:
-        for _, module, whole in self.experts:
+        """Expert slices: summed over the ranks holding the same slice (edp). Read from the bound
+        regions themselves, not from what this instance saw at bind, so that a refresh (PEFT, a
+        resized embedding, a wrapper registered after binding) keeps the rule."""
+        for _, module, contract in ctx.bound:
+            if not _is_region(contract) or EP_DISPATCH not in adapters.base_of(module).__dict__:
+                continue
+            whole = _whole(module, contract)
             for name, param in module.named_parameters():
                 if name not in whole:  # whole ones: averaged over dp like any dense parameter
                     ctx.add_partial(param, EDP)
