@@ -89,6 +89,7 @@ def activate(
     when_imported("accelerate.accelerator", _integrate_accelerate)  # before install: its finder stays first
     when_imported("transformers.trainer", _integrate_trainer)
     when_imported("trl.trainer.utils", _integrate_trl)
+    when_imported("transformers.modeling_utils", _integrate_modeling)
     handle = install(resolved, cache=cache, lower=_lower, bind=_register, runtime=_runtime)
     from hp_lazy.runtime import options
 
@@ -130,6 +131,13 @@ def _integrate_trainer(module: ModuleType) -> None:
     from hp_lazy.integrations import transformers
 
     transformers.install(module, degrees=_active_degrees)
+
+
+def _integrate_modeling(module: ModuleType) -> None:
+    """``num_parameters`` of a bound model: one process's count."""
+    from hp_lazy.integrations import transformers
+
+    transformers.install_counts(module)
 
 
 def _integrate_trl(module: ModuleType) -> None:

@@ -136,3 +136,12 @@ def test_trainer_resume_with_the_main_process_optimizer_pt_is_wrong(pool: DistPo
     with pytest.raises(WorkerError, match=r"holds optimizer.pt, written by the main process alone; for this model, "
                                           r"whose parameters are sharded over tp, it holds rank 0's shards only"):
         pool.run(trainwork.trainer_resume_only, path, str(tmp_path / "old" / "checkpoint-2"))
+
+
+def test_parameter_counts_are_one_process(pool: DistPool, refs) -> None:
+    """``num_parameters()`` and the Trainer's logged count are the model's, not this rank's shards."""
+    path, _ = refs("llama")
+    ref = trainwork.parameter_counts(0, 1, path)
+    for got in pool.run(trainwork.parameter_counts, path):
+        assert got[:3] == ref[:3]
+        assert got[3] < ref[3]  # what each rank holds: its shards

@@ -366,3 +366,18 @@ def trainer_resume_only(rank: int, world: int, path: str, checkpoint: str) -> No
         report_to=[], optim="adamw_torch", save_strategy="no", use_cpu=True, disable_tqdm=True,
     )
     Trainer(model=parity._load(path), args=args, train_dataset=Rows()).train(resume_from_checkpoint=checkpoint)
+
+
+def parameter_counts(rank: int, world: int, path: str) -> list[int]:
+    """``num_parameters`` (plain, and trainable without embeddings) and the Trainer's logged count
+    (``get_model_param_count``) of the loaded model, bound when a plan is active."""
+    import transformers.trainer as trainer
+
+    import hp_lazy
+    from hp_lazy.api import active_plan
+
+    model = parity._load(path)
+    if active_plan() is not None:
+        hp_lazy.parallelize(model)
+    return [model.num_parameters(), model.num_parameters(only_trainable=True, exclude_embeddings=True),
+            trainer.get_model_param_count(model, trainable_only=True), sum(p.numel() for p in model.parameters())]

@@ -51,7 +51,39 @@ def install(module: ModuleType, degrees: Degrees) -> None:
     cls._save = _save(cls._save)
     cls._save_optimizer_and_scheduler = _save_optimizer(cls._save_optimizer_and_scheduler, degrees)
     cls._load_optimizer_and_scheduler = _load_optimizer(cls._load_optimizer_and_scheduler, degrees)
+    module.get_model_param_count = _param_count(module.get_model_param_count)  # type: ignore[attr-defined]
     setattr(cls, PATCHED, True)
+
+
+def install_counts(module: ModuleType) -> None:
+    """``PreTrainedModel.num_parameters`` of ``module`` (``transformers.modeling_utils``) counts one
+    process's parameters for a model hp_lazy bound (not this rank's shards)."""
+    cls = module.PreTrainedModel
+    if getattr(cls.num_parameters, PATCHED, False):
+        return
+    stock = cls.num_parameters
+
+    @functools.wraps(stock)
+    def num_parameters(self: Any, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
+        from hp_lazy.runtime.layout import unsharded_extra
+
+        count = stock(self, only_trainable=only_trainable, exclude_embeddings=exclude_embeddings)
+        return count + unsharded_extra(self, only_trainable=only_trainable, exclude_embeddings=exclude_embeddings)
+
+    setattr(num_parameters, PATCHED, True)
+    cls.num_parameters = num_parameters
+
+
+def _param_count(stock: Callable[..., int]) -> Callable[..., int]:
+    """The Trainer's "Number of trainable parameters" log: one process's count."""
+
+    @functools.wraps(stock)
+    def get_model_param_count(model: Any, trainable_only: bool = False) -> int:
+        from hp_lazy.runtime.layout import unsharded_extra
+
+        return stock(model, trainable_only=trainable_only) + unsharded_extra(model, only_trainable=trainable_only)
+
+    return get_model_param_count
 
 
 OPTIMIZER_DIR = "optimizer_dcp"

@@ -20,6 +20,7 @@ sharding keeps valid references.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 
@@ -215,3 +216,21 @@ def tables(model: nn.Module) -> Iterator[tuple[str, LayoutTable]]:
         table = table_of(module)
         if table is not None:
             yield (name + "." if name else ""), table
+
+
+def unsharded_extra(model: nn.Module, *, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
+    """Elements the parameters of ``model`` hold on one process beyond this rank's shards (0 for a
+    model hp_lazy did not bind): added to a count over ``model.parameters()`` it gives one
+    process's count (``num_parameters``, the Trainer's logged parameter count)."""
+    found = list(tables(model))
+    if not found:
+        return 0
+    embeddings = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, nn.Embedding)}
+    extra = 0
+    for name, param in model.named_parameters():
+        if (only_trainable and not param.requires_grad) or (exclude_embeddings and name in embeddings):
+            continue
+        layout = next((t.get(name[len(p):]) for p, t in found if name.startswith(p) and name[len(p):] in t), None)
+        if layout is not None:
+            extra += math.prod(layout.full_shape) - param.numel()
+    return extra
