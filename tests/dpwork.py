@@ -64,13 +64,15 @@ def _wrapped(model, wrap: str):
     import hp_lazy
 
     mesh = hp_lazy.mesh()
-    if wrap == "ddp":
+    if wrap in ("ddp", "ddp_default"):
         from torch.nn.parallel import DistributedDataParallel
 
-        return DistributedDataParallel(model, process_group=mesh.group("dp").pg)
-    if wrap == "fsdp":
+        return DistributedDataParallel(model, process_group=mesh.group("dp").pg if wrap == "ddp" else None)
+    if wrap in ("fsdp", "fsdp_default"):
         from torch.distributed.fsdp import fully_shard
 
+        if wrap == "fsdp_default":  # the default mesh: every rank
+            return fully_shard(model)
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh.device_mesh["dp"])
         return fully_shard(model, mesh=mesh.device_mesh["dp"])

@@ -91,3 +91,28 @@ def test_a_dp_wrapper_on_top_of_hp_lazy_dp_is_refused(pool4: DistPool, refs, wra
     path, _ = refs("qwen3")
     with pytest.raises(WorkerError, match=text):
         pool4.run(_wrapped_over_own_dp, path, wrap)
+
+
+def _wrapped_over_the_world(rank: int, world: int, path: str, wrap: str) -> None:
+    import hp_lazy
+
+    model = hp_lazy.parallelize(parity._load(path), data_parallel=False)
+    net = dpwork._wrapped(model, wrap)
+    ids = dpwork.global_batch(2)[:2]
+    net(input_ids=ids, labels=ids)
+
+
+@pytest.mark.parametrize(("wrap", "text"), [
+    ("ddp_default", r"inside torch DistributedDataParallel over ranks \[0, 1, 2, 3\], but its parameters are shards "
+                    r"that only the data-parallel ranks \[\d, \d\] hold alike .* process_group=hp_lazy.mesh\(\).group\('dp'\).pg"),
+    ("fsdp_default", r"LlamaForCausalLM is sharded by FSDP2 over ranks \[0, 1, 2, 3\], but hp_lazy's shards are held alike only by the "
+                     r"data-parallel ranks \[\d, \d\]; pass fully_shard\(module, mesh=hp_lazy.mesh\(\).device_mesh\['dp'\]\)"),
+])
+def test_a_dp_wrapper_over_the_whole_world_is_refused(pool4: DistPool, refs, wrap: str, text: str) -> None:
+    """``DistributedDataParallel(model)`` without ``process_group`` (or FSDP2 on the default mesh)
+    with data_parallel=False: refused at the first forward, naming the group to pass (DDP
+    averaged different tp shards together, silently)."""
+    parity.activated(pool4, tp=2)
+    path, _ = refs("llama")
+    with pytest.raises(WorkerError, match=text):
+        pool4.run(_wrapped_over_the_world, path, wrap)

@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -377,8 +378,46 @@ class GradOwner:
                 "gradients over the dp ranks (activate(..., data_parallel=True), the default); either drop the "
                 "DDP wrapper or activate with data_parallel=False and give DDP hp_lazy.mesh().group('dp').pg"
             )
+        if not self.owns_dp and dist.is_initialized():
+            self._check_wrapper_groups(root)
         if isinstance(self.reducer, BucketReducer):
             self.reducer.check_params(root)
+
+    def _check_wrapper_groups(self, root: nn.Module) -> None:
+        """torch DDP or FSDP2 owning dp must reduce over the dp ranks alone: over the default group
+        DDP broadcasts rank 0's shards to its tp peers and averages different shards together."""
+        dp = _ranks(self.mesh.group("dp"))
+        ddp = DistributedDataParallel._get_active_ddp_module()
+        if ddp is not None and _pg_ranks(ddp.process_group) != dp:
+            raise ShardingError(
+                f"hp_lazy: this model runs inside torch DistributedDataParallel over ranks "
+                f"{_pg_ranks(ddp.process_group)}, but its parameters are shards that only the data-parallel "
+                f"ranks {dp} hold alike (DDP broadcast rank 0's shards to the others when it was built); "
+                "wrap it as DistributedDataParallel(model, process_group=hp_lazy.mesh().group('dp').pg)"
+            )
+        for name, module in root.named_modules():
+            mesh = _fsdp_mesh(module)
+            if mesh is not None and mesh.ndim == 1 and _pg_ranks(mesh.get_group()) != dp:
+                raise ShardingError(
+                    f"hp_lazy: {name or type(root).__name__} is sharded by FSDP2 over ranks "
+                    f"{_pg_ranks(mesh.get_group())}, but hp_lazy's shards are held alike only by the data-parallel "
+                    f"ranks {dp}; pass fully_shard(module, mesh=hp_lazy.mesh().device_mesh['dp'])"
+                )
+
+
+def _fsdp_mesh(module: nn.Module) -> Any:
+    """The mesh FSDP2's ``fully_shard`` put ``module``'s parameters on (None if it did not)."""
+    state = getattr(module, "_get_fsdp_state", None)
+    group = getattr(state(), "_fsdp_param_group", None) if callable(state) else None
+    return getattr(getattr(group, "mesh_info", None), "mesh", None)
+
+
+def _ranks(group: Group) -> list[int]:
+    return [dist.get_rank()] if group.pg is None else _pg_ranks(group.pg)
+
+
+def _pg_ranks(pg: Any) -> list[int]:
+    return sorted(dist.get_process_group_ranks(pg if pg is not None else dist.group.WORLD))
 
 
 def _dedicated(mesh: Mesh) -> Callable[[tuple[str, ...]], Group]:
