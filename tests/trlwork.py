@@ -100,7 +100,6 @@ def fused_head(rank: int, world: int, path: str, ids, outputs: tuple[str, ...], 
                softcap: float | None = None, scale: float = 1.0) -> dict[str, Any]:
     """A user loop on ``add_fused_lm_head``: the first call is the fused one (the backbone's forward
     binds the model), then backward; every per-token field and, on rank 0, every full gradient."""
-    import torch
     from trl.trainer.utils import add_fused_lm_head
 
     import hp_lazy
