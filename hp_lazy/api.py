@@ -134,10 +134,11 @@ def _integrate_trainer(module: ModuleType) -> None:
 
 
 def _integrate_modeling(module: ModuleType) -> None:
-    """``num_parameters`` of a bound model: one process's count."""
+    """``num_parameters`` and gradient checkpointing of a bound model: see
+    :func:`hp_lazy.integrations.transformers.install_modeling`."""
     from hp_lazy.integrations import transformers
 
-    transformers.install_counts(module)
+    transformers.install_modeling(module)
 
 
 def _integrate_trl(module: ModuleType) -> None:

@@ -256,3 +256,19 @@ def traffic(rank: int, world: int, path: str, data: dict[str, Any], latent: bool
     finally:
         wire.all_gather, wire.reduce_scatter = originals
     return {"sent": sent, "loss": out.loss.detach(), "grads": hp_lazy.full_grads(model)}
+
+
+def checkpointed(rank: int, world: int, path: str, data: dict[str, Any], reentrant: bool) -> dict[str, Any]:
+    """``train`` with transformers' gradient checkpointing on (every layer recomputed in backward);
+    on one process (world 1, no plan) the reference."""
+    import hp_lazy
+    from hp_lazy.api import active_plan
+
+    model = load(path)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    model.train()
+    if active_plan() is None:
+        return run(model, data)
+    result = run(model, data, gather=hp_lazy.gather_sequence, full_grads=hp_lazy.full_grads,
+                 full_state_dict=hp_lazy.full_state_dict)
+    return result if rank == 0 else {"loss": result["loss"], "logits": result["logits"]}

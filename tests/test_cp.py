@@ -101,6 +101,19 @@ def test_stock_clip_grad_norm_gives_one_process_norm(ready) -> None:
     assert [abs(n - want) / want for n in pool.run(cpwork.grad_norm, path, data)] < [1e-6, 1e-6]
 
 
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+@pytest.mark.parametrize("kind", ["plain", "packed"])
+def test_gradient_checkpointing_recomputes_inside_the_call(ready, reentrant: bool, kind: str) -> None:
+    """The recompute runs in backward, after the forward left its context-parallel state: it runs
+    inside that state again (it crashed: "attention ran outside a context-parallel forward")."""
+    pool, root = ready
+    path, data = models.build("llama", root), cpwork.batch(kind)
+    ref = cpwork.checkpointed(0, 1, path, data, reentrant)
+    results = pool.run(cpwork.checkpointed, path, data, reentrant)
+    parity.compare(results[0], ref)
+    assert models.rel_err(results[1]["logits"], ref["logits"]) <= parity.TOL
+
+
 def test_stock_trainer_under_cp(ready, tmp_path) -> None:
     """The stock Trainer (default args: clipping at 1.0, SGD) under cp=2: both ranks read the same
     rows, and losses, logged grad norms and parameters after 3 steps are one process's."""
@@ -112,6 +125,17 @@ def test_stock_trainer_under_cp(ready, tmp_path) -> None:
     got = pool.run(trainwork.trainer, path, str(tmp_path / "hp"))
     trainwork.compare_trainer(got[0], ref)
     assert [g["total_batch"] for g in got] == [ref["total_batch"]] * 2
+
+
+def test_stock_trainer_with_gradient_checkpointing_under_cp(ready, tmp_path) -> None:
+    """``TrainingArguments(gradient_checkpointing=True)`` under cp=2 with PEFT LoRA on the model."""
+    import trainwork
+
+    pool, root = ready
+    path = models.build("llama_gqa", root)
+    ref = trainwork.trainer(0, 1, path, str(tmp_path / "ref"), gradient_checkpointing=True, lora=True)
+    got = pool.run(trainwork.trainer, path, str(tmp_path / "hp"), gradient_checkpointing=True, lora=True)
+    trainwork.compare_trainer(got[0], ref)
 
 
 def test_mla_gathers_the_compressed_latent(ready) -> None:

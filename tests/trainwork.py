@@ -47,7 +47,7 @@ class Rows:
 
 def trainer(rank: int, world: int, path: str, out: str, optim: str = "sgd", ga: int = 1,
             parallelize: bool = False, max_grad_norm: float = 1.0, data_parallel: bool | None = None,
-            lora: bool = False) -> dict[str, Any]:
+            lora: bool = False, gradient_checkpointing: bool = False) -> dict[str, Any]:
     """``Trainer(model=model, args=TrainingArguments(...), train_dataset=...).train()``, 3 steps;
     every rank returns its log (loss and grad_norm per step), rank 0 the full parameters too.
     ``lora``: the model is PEFT's ``get_peft_model`` of the loaded one (adapters trained, base frozen)."""
@@ -67,6 +67,7 @@ def trainer(rank: int, world: int, path: str, out: str, optim: str = "sgd", ga: 
         output_dir=out, per_device_train_batch_size=GLOBAL_BATCH // (_dp_size() * ga), gradient_accumulation_steps=ga,
         max_steps=3, logging_steps=1, report_to=[], optim=optim, learning_rate=lr, weight_decay=0.01,
         max_grad_norm=max_grad_norm, save_strategy="no", use_cpu=True, disable_tqdm=True,
+        gradient_checkpointing=gradient_checkpointing,
     )
     run = Trainer(model=model, args=args, train_dataset=Rows())
     run.train()

@@ -55,13 +55,33 @@ def install(module: ModuleType, degrees: Degrees) -> None:
     setattr(cls, PATCHED, True)
 
 
-def install_counts(module: ModuleType) -> None:
-    """``PreTrainedModel.num_parameters`` of ``module`` (``transformers.modeling_utils``) counts one
-    process's parameters for a model hp_lazy bound (not this rank's shards)."""
+def install_modeling(module: ModuleType) -> None:
+    """``PreTrainedModel`` of ``module`` (``transformers.modeling_utils``), once: ``num_parameters``
+    counts one process's parameters for a model hp_lazy bound (not this rank's shards), and the
+    gradient-checkpointing function a model is given recomputes inside the context-parallel call
+    state of its forward (:func:`hp_lazy.runtime.cp.state.carried`)."""
     cls = module.PreTrainedModel
-    if getattr(cls.num_parameters, PATCHED, False):
+    if getattr(cls, PATCHED, False):
         return
-    stock = cls.num_parameters
+    cls.num_parameters = _num_parameters(cls.num_parameters)
+    cls._set_gradient_checkpointing = _set_gradient_checkpointing(cls._set_gradient_checkpointing)
+    setattr(cls, PATCHED, True)
+
+
+def _set_gradient_checkpointing(stock: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(stock)
+    def _set_gradient_checkpointing(self: Any, enable: bool = True, gradient_checkpointing_func: Any = None,
+                                    **kwargs: Any) -> Any:
+        from hp_lazy.runtime.cp.state import carried
+
+        if gradient_checkpointing_func is None:
+            return stock(self, enable, **kwargs)
+        return stock(self, enable, carried(gradient_checkpointing_func), **kwargs)
+
+    return _set_gradient_checkpointing
+
+
+def _num_parameters(stock: Callable[..., int]) -> Callable[..., int]:
 
     @functools.wraps(stock)
     def num_parameters(self: Any, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
@@ -70,8 +90,7 @@ def install_counts(module: ModuleType) -> None:
         count = stock(self, only_trainable=only_trainable, exclude_embeddings=exclude_embeddings)
         return count + unsharded_extra(self, only_trainable=only_trainable, exclude_embeddings=exclude_embeddings)
 
-    setattr(num_parameters, PATCHED, True)
-    cls.num_parameters = num_parameters
+    return num_parameters
 
 
 def _param_count(stock: Callable[..., int]) -> Callable[..., int]:

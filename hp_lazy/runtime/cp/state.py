@@ -9,7 +9,10 @@ packed sequences and the key padding mask, and the attention masks built from th
 from __future__ import annotations
 
 import contextvars
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -74,3 +77,29 @@ def enter(state: CallState) -> contextvars.Token[CallState | None]:
 
 def leave(token: contextvars.Token[CallState | None]) -> None:
     _CURRENT.reset(token)
+
+
+def carried(checkpoint: Callable[..., Any]) -> Callable[..., Any]:
+    """``checkpoint`` (transformers' gradient-checkpointing function) whose recompute in backward
+    runs inside the call state of the forward that checkpointed it: the recompute happens after
+    the bound root's forward has left its state, and would otherwise find none."""
+    if getattr(checkpoint, "hp_carries_cp_state", False):
+        return checkpoint
+
+    @functools.wraps(checkpoint)
+    def checkpointed(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        state = current()
+        if state is None:
+            return checkpoint(function, *args, **kwargs)
+
+        def run(*inner: Any, **named: Any) -> Any:
+            token = enter(state)
+            try:
+                return function(*inner, **named)
+            finally:
+                leave(token)
+
+        return checkpoint(run, *args, **kwargs)
+
+    checkpointed.hp_carries_cp_state = True  # type: ignore[attr-defined]
+    return checkpointed
