@@ -46,6 +46,58 @@ def _check(pool: DistPool, path: str, out: str, plain_out: str) -> None:
         assert json.load(mine)["weight_map"] == json.load(plain)["weight_map"]
 
 
+def _save_on_rank0(rank: int, world: int, path: str, out: str) -> dict:
+    """The idiom ``if rank == 0: model.save_pretrained(d)``; rank 1 goes on (here: it waits)."""
+    import os
+    import time
+
+    import hp_lazy
+
+    os.environ["HP_LAZY_ARRIVAL_TIMEOUT_S"] = "3"
+    model = hp_lazy.parallelize(parity._load(path))
+    if rank != 0:
+        time.sleep(8)  # past rank 0's arrival timeout: the ranks meet again afterwards
+        return {}
+    start = time.monotonic()
+    try:
+        model.save_pretrained(out)
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - start}
+    return {"error": None}
+
+
+def _torch_save(rank: int, world: int, path: str, out: str) -> str:
+    import hp_lazy
+
+    model = hp_lazy.parallelize(parity._load(path))
+    try:
+        torch.save(model.state_dict(), out)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "saved"
+
+
+def test_save_pretrained_on_rank0_only_fails_fast(pool2: DistPool, refs, tmp_path) -> None:
+    """It hung until the process-group timeout (600 s), then a gloo error with no hint."""
+    path, _ = refs("llama")
+    got = parity.activated(pool2, tp=2).run(_save_on_rank0, path, str(tmp_path / "rank0"))[0]
+    pool2.close()  # the arrival check's group is out of step now (the job would stop at this error)
+    assert got["error"] is not None and got["seconds"] < 10
+    assert got["error"].startswith("ShardingError: hp_lazy: rank 0 entered LlamaForCausalLM.save_pretrained, but not "
+                                   "every rank of the world did within 3 s")
+    assert "call save_pretrained on every rank (transformers writes on rank 0 only), not under `if rank == 0:`" in got["error"]
+    assert not os.path.exists(os.path.join(tmp_path, "rank0", "model.safetensors"))
+
+
+def test_torch_save_of_the_parallel_state_dict_is_refused(pool2: DistPool, refs, tmp_path) -> None:
+    """It wrote a file a plain process cannot load ("Could not resolve the process group")."""
+    path, _ = refs("llama")
+    for text in parity.activated(pool2, tp=2).run(_torch_save, path, str(tmp_path / "sd.pt")):
+        assert text.startswith("ShardingError: model.embed_tokens.weight: torch.save of an hp_lazy model's "
+                               "state_dict() would pickle this rank's shard as a DTensor"), text
+        assert "torch.save(hp_lazy.full_state_dict(model))" in text
+
+
 @pytest.mark.parametrize("name", ["llama", "gemma", "qwen3_moe"])
 def test_tp(pool2: DistPool, refs, tmp_path, name: str) -> None:
     path, _ = refs(name)

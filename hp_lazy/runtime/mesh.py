@@ -29,7 +29,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -50,6 +50,7 @@ EDP = "edp"
 _ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 TIMEOUT_ENV = "HP_LAZY_PG_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 600
+ARRIVAL_ENV = "HP_LAZY_ARRIVAL_TIMEOUT_S"
 _MESHES: dict[tuple[tuple[str, int], ...], Mesh] = {}
 
 
@@ -190,6 +191,8 @@ class Mesh:
     ep: int = 1
     _groups: dict[tuple[str, ...], Group] = field(default_factory=dict, compare=False, repr=False)
     _expert: list[DeviceMesh] = field(default_factory=list, compare=False, repr=False)
+    control: Any = field(default=None, compare=False, repr=False)
+    """A gloo group over the world for arrival checks (:func:`check_arrival`); None at world 1."""
 
     def degree(self, axis: str) -> int:
         """Size of ``axis`` (1 for an axis not in the mesh)."""
@@ -328,4 +331,37 @@ def _build(shape: tuple[tuple[str, int], ...], world: int, ep: int) -> Mesh:
     device_mesh = DeviceMesh.from_group(
         groups if len(groups) > 1 else groups[0], device_type, mesh=ranks, mesh_dim_names=tuple(a for a, _ in shape)
     )
-    return Mesh(shape=shape, world=world, device_mesh=device_mesh, ep=ep)
+    control = dist.new_group(backend="gloo", timeout=pg_timeout())
+    return Mesh(shape=shape, world=world, device_mesh=device_mesh, ep=ep, control=control)
+
+
+def arrival_timeout() -> timedelta:
+    """How long :func:`check_arrival` waits for the other ranks: ``HP_LAZY_ARRIVAL_TIMEOUT_S`` (30) seconds."""
+    raw = os.environ.get(ARRIVAL_ENV, "").strip() or "30"
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds < 10**7:
+        raise ShardingError(
+            f"hp_lazy: {ARRIVAL_ENV}={raw[:40]!r} is not a positive number of seconds; unset it or set e.g. 30"
+        )
+    return timedelta(seconds=seconds)
+
+
+def check_arrival(mesh: Mesh, what: str, fix: str) -> None:
+    """Before a collective that user code may call on some ranks only (``if rank == 0: ...``):
+    every rank of the world arrives within :func:`arrival_timeout`, or this rank raises, naming
+    ``what`` was entered and ``fix``, instead of waiting for the process-group timeout."""
+    if mesh.control is None:
+        return
+    limit = arrival_timeout()
+    try:
+        dist.monitored_barrier(group=mesh.control, timeout=limit, wait_all_ranks=True)
+    except RuntimeError as exc:
+        detail = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+        raise ShardingError(
+            f"hp_lazy: rank {dist.get_rank()} entered {what}, but not every rank of the world did within "
+            f"{limit.total_seconds():g} s ({detail}); it is a collective over every rank: {fix} "
+            f"(or raise {ARRIVAL_ENV} if the other ranks are only slow)"
+        ) from exc

@@ -38,7 +38,7 @@ from hp_lazy.errors import ShardingError
 from hp_lazy.names import OPTIM_ADOPTED
 from hp_lazy.runtime.checkpoint.present import Presentation
 from hp_lazy.runtime.layout import LayoutTable
-from hp_lazy.runtime.mesh import Mesh
+from hp_lazy.runtime.mesh import Mesh, check_arrival
 
 _MODELS: weakref.WeakKeyDictionary[nn.Module, Presentation] = weakref.WeakKeyDictionary()
 _STATE = threading.local()
@@ -80,7 +80,7 @@ def install(model: nn.Module, table: LayoutTable | None, mesh: Mesh) -> None:
     model.register_state_dict_post_hook(_present_model)
     model.register_load_state_dict_pre_hook(_accept_model)
     if hasattr(type(model), _GATHER_FOR_SAVE):
-        saver = _Saver()
+        saver = _Saver(mesh)
         setattr(model, _GATHER_FOR_SAVE, saver.gather)
         setattr(model, _BARRIER_AFTER_SAVE, saver.barrier)
     if not _STEP_HOOK:
@@ -133,13 +133,19 @@ def _accept_model(
 class _Saver:
     """transformers' save hooks for one bound model: gather one tensor at a time, barrier after."""
 
-    def __init__(self) -> None:
+    def __init__(self, mesh: Mesh) -> None:
         self.gathered = False
+        self.mesh = mesh
 
     def gather(
         self, model_to_save: nn.Module, state_dict: dict[str, Any], distributed_config: Any = None,
         *, save_on_this_rank: bool = True,
     ) -> dict[str, Any]:
+        check_arrival(
+            self.mesh, f"{type(model_to_save).__name__}.save_pretrained",
+            "call save_pretrained on every rank (transformers writes on rank 0 only), not under "
+            "`if rank == 0:`; or gather with hp_lazy.full_state_dict(model) on every rank and write it on one",
+        )
         out: dict[str, Any] = {}
         tied: dict[tuple[int, int, tuple[int, ...]], torch.Tensor | None] = {}
         for key in list(state_dict):

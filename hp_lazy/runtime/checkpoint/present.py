@@ -84,6 +84,7 @@ class Presentation:
         )
         if any(cut.blocks > 1 for cut in cuts):
             _chunk_protocol(out, fqn, layout, cuts)
+        out.__reduce_ex__ = _not_picklable(fqn)  # type: ignore[method-assign]
         return out
 
     # -- load side
@@ -246,6 +247,22 @@ def _narrowed(local: torch.Tensor, starts: tuple[int, ...], sizes: tuple[int, ..
 
 def _chunks(value: DTensor) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     return [(tuple(c.offsets), tuple(c.sizes)) for c in value.__create_chunk_list__()]
+
+
+def _not_picklable(fqn: str) -> Callable[..., Any]:
+    """``torch.save`` (pickle) of a presented shard: its device mesh names process groups that no
+    other process has, so it would load nowhere ("Could not resolve the process group")."""
+
+    def refuse(protocol: Any = None) -> Any:
+        raise ShardingError(
+            f"{fqn}: torch.save of an hp_lazy model's state_dict() would pickle this rank's shard as a DTensor "
+            "over this job's process groups, which no other process can load; save with "
+            "model.save_pretrained(d) on every rank (rank 0 writes full tensors), or torch.save("
+            "hp_lazy.full_state_dict(model)) (a collective: call full_state_dict on every rank, save on one), or "
+            "torch.distributed.checkpoint.save(model.state_dict(), ...) for a resharding checkpoint"
+        )
+
+    return refuse
 
 
 def _chunk_protocol(out: DTensor, fqn: str, layout: ParamLayout, cuts: tuple[AxisShard, ...]) -> None:
