@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+import models
 import parity
 import pytest
 import trainwork
@@ -136,6 +137,22 @@ def test_trainer_resume_with_the_main_process_optimizer_pt_is_wrong(pool: DistPo
     with pytest.raises(WorkerError, match=r"holds optimizer.pt, written by the main process alone; for this model, "
                                           r"whose parameters are sharded over tp, it holds rank 0's shards only"):
         pool.run(trainwork.trainer_resume_only, path, str(tmp_path / "old" / "checkpoint-2"))
+
+
+@pytest.mark.parametrize("optim", ["sgd", "adamw_torch"])
+def test_trainer_resumes_a_one_process_checkpoint(pool: DistPool, refs, tmp_path, optim: str) -> None:
+    """A checkpoint one process wrote (its optimizer.pt holds whole states) resumed at tp=2: steps 3-4
+    and the final parameters equal the one-process run (it was refused with a false reason)."""
+    path, _ = refs("llama")
+    ref = _reference(trainwork.trainer_resume, path, str(tmp_path / "ref"), optim=optim)
+    assert "optimizer.pt" in ref["files"]
+    got = pool.run(trainwork.trainer_resume_only, path, str(tmp_path / "ref" / "checkpoint-2"),
+                   str(tmp_path / "hp"), optim=optim)
+    assert got[0]["step"] == [3, 4] or got[0]["step"] == [1, 2, 3, 4], got[0]["step"]
+    tol = trainwork.TOL[optim]
+    assert models.rel_err(got[0]["loss"][-2:], ref["straight"]["loss"][-2:]) <= tol
+    errors = {n: models.rel_err(got[0]["state"][n], v) for n, v in ref["straight"]["state"].items()}
+    assert max(errors.values()) <= tol, sorted(errors.items(), key=lambda e: -e[1])[:3]
 
 
 def test_parameter_counts_are_one_process(pool: DistPool, refs) -> None:

@@ -356,17 +356,29 @@ def compare_resume(got: dict[str, Any], ref: dict[str, Any], tol: float) -> dict
     return errors
 
 
-def trainer_resume_only(rank: int, world: int, path: str, checkpoint: str) -> None:
-    """``Trainer.train(resume_from_checkpoint=checkpoint)`` with the run's arguments."""
+def trainer_resume_only(rank: int, world: int, path: str, checkpoint: str, out: str | None = None,
+                        optim: str = "adamw_torch") -> dict[str, Any]:
+    """``Trainer.train(resume_from_checkpoint=checkpoint)`` with the run's arguments (output in
+    ``out``, else beside the checkpoint): its log and, on rank 0, the final parameters."""
     import os
 
+    import torch
     from transformers import Trainer, TrainingArguments
 
+    import hp_lazy
+
     args = TrainingArguments(
-        output_dir=os.path.dirname(checkpoint), per_device_train_batch_size=GLOBAL_BATCH // _dp_size(), max_steps=4,
-        report_to=[], optim="adamw_torch", save_strategy="no", use_cpu=True, disable_tqdm=True,
+        output_dir=out or os.path.dirname(checkpoint), per_device_train_batch_size=GLOBAL_BATCH // _dp_size(),
+        max_steps=4, logging_steps=1, report_to=[], optim=optim, learning_rate=0.1 if optim == "sgd" else 1e-3,
+        weight_decay=0.01, save_strategy="no", use_cpu=True, disable_tqdm=True,
     )
-    Trainer(model=parity._load(path), args=args, train_dataset=Rows()).train(resume_from_checkpoint=checkpoint)
+    model = parity._load(path)
+    trainer = Trainer(model=model, args=args, train_dataset=Rows())
+    trainer.train(resume_from_checkpoint=checkpoint)
+    logged = [h for h in trainer.state.log_history if "loss" in h]
+    state = hp_lazy.full_state_dict(model)
+    return {"loss": torch.tensor([h["loss"] for h in logged], dtype=torch.float64),
+            "step": [h["step"] for h in logged], "state": state if rank == 0 else None}
 
 
 def parameter_counts(rank: int, world: int, path: str) -> list[int]:

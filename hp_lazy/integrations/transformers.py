@@ -21,8 +21,11 @@ state as a DTensor over its shard, :mod:`hp_lazy.runtime.checkpoint`), the sched
 Trainer does; ``_load_optimizer_and_scheduler`` reads it back with ``dcp.load`` (which reshards:
 a checkpoint saved at another layout resumes too). ``resume_from_checkpoint`` then continues one
 process's run: the model from ``model.safetensors`` (full tensors, sliced on load), the optimizer
-and scheduler from there, RNG and data order as the Trainer keeps them. Refused, naming the fix: a
-checkpoint whose only optimizer state is a main-process ``optimizer.pt`` (rank 0's shards). Expert
+and scheduler from there, RNG and data order as the Trainer keeps them. A one-process checkpoint's
+``optimizer.pt`` holds whole states: it is loaded as the Trainer loads it, and each rank's optimizer
+keeps its shards' slices (hp_lazy adopts the optimizer at its first step). Refused, naming the fix:
+a checkpoint whose only optimizer state is a main-process ``optimizer.pt`` of this model's shards
+(rank 0's), told apart by the states' shapes. Expert
 slices cut over ep are presented the same way (on the expert mesh), so an ep model checkpoints too.
 """
 
@@ -159,7 +162,7 @@ def _load_optimizer(stock: Callable[..., Any], degrees: Degrees) -> Callable[...
             return stock(self, checkpoint)
         folder = os.path.join(checkpoint, OPTIMIZER_DIR)
         if not os.path.isdir(folder):
-            if os.path.isfile(os.path.join(checkpoint, _OPTIMIZER_PT)):
+            if os.path.isfile(os.path.join(checkpoint, _OPTIMIZER_PT)) and not _whole_optimizer_pt(self, checkpoint):
                 raise ShardingError(
                     f"Trainer: resume_from_checkpoint={checkpoint!r} holds optimizer.pt, written by the main process "
                     "alone; for this model, whose parameters are sharded over tp, it holds rank 0's shards only and "
@@ -167,7 +170,9 @@ def _load_optimizer(stock: Callable[..., Any], degrees: Degrees) -> Callable[...
                     f"{OPTIMIZER_DIR}/ with torch.distributed.checkpoint), or delete optimizer.pt to resume the "
                     "model alone with a fresh optimizer"
                 )
-            return stock(self, checkpoint)  # no optimizer state saved: the Trainer's own (it loads nothing)
+            # one process's optimizer.pt (whole states: sliced to this rank's shards when the optimizer first
+            # steps, hp_lazy's adoption), or no optimizer state: the Trainer's own load
+            return stock(self, checkpoint)
         import torch
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
@@ -182,6 +187,17 @@ def _load_optimizer(stock: Callable[..., Any], degrees: Degrees) -> Callable[...
         return None
 
     return _load_optimizer_and_scheduler
+
+
+def _whole_optimizer_pt(trainer: Any, checkpoint: str) -> bool:
+    """``optimizer.pt`` holds whole states for the sharded parameters (a one-process checkpoint)."""
+    import torch
+
+    from hp_lazy.runtime.checkpoint.hooks import holds_full_states
+
+    _, optimizer = _optimizer_parts(trainer)
+    saved = torch.load(os.path.join(checkpoint, _OPTIMIZER_PT), map_location="cpu", weights_only=True)
+    return holds_full_states(optimizer, saved) is not False
 
 
 def _save(stock: Callable[..., Any]) -> Callable[..., Any]:

@@ -222,6 +222,26 @@ def _map_sharded_state(
     return {**state_dict, "state": state}
 
 
+def holds_full_states(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> bool | None:
+    """Whether the per-element states an optimizer ``state_dict`` (``optimizer.pt``) holds for this
+    optimizer's sharded parameters are whole (one process's: sliced on load) — ``False`` when any
+    is shaped like this rank's shard (a main process's shards alone), ``None`` when it holds none."""
+    owners = _owners()
+    params = _by_param(optimizer, state_dict["param_groups"])
+    verdicts = set()
+    for key, entry in state_dict["state"].items():
+        owner = owners.get(id(params.get(key)))
+        if owner is None:
+            continue
+        presentation, fqn = owner
+        layout = presentation.table.get(fqn)
+        assert layout is not None  # an owner's name is in its table
+        for value in entry.values():
+            if _per_element(value) and layout.full_shape != layout.local_shape:
+                verdicts.add(tuple(value.shape) == layout.full_shape)
+    return None if not verdicts else all(verdicts)
+
+
 def _present_optimizer(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any] | None:
     if _plain():
         return None
