@@ -395,10 +395,15 @@ def _partition(
     for name, placements in sorted(contract.params.items()):
         params = params_matching(module, name)
         if not params and name not in contract.optional_params:
+            extra = adapters.adapter_ids(module)
+            own = sorted(adapters.plain(n) for n, p in module.named_parameters() if id(p) not in extra)
+            peft = ""
+            if extra or "lora_" in name or "base_layer" in name:
+                peft = (" (a plan names the base model's parameters: PEFT's adapters are cut like their base by "
+                        "hp_lazy, and its base_layer segments are left out)")
             raise ShardingError(
-                f"{fqn}: the plan shards parameter {name!r} but the module has none "
-                f"(it has {sorted(n for n, _ in module.named_parameters())[:8]}); fix the plan's params, or "
-                "list the name in optional_params if the model may not have it"
+                f"{fqn}: the plan shards parameter {name!r} but the module has none (it has {own[:8]}){peft}; fix "
+                "the plan's params, or list the name in optional_params if the model may not have it"
             )
         for pname, param in params:
             full = f"{fqn}.{pname}" if fqn else pname
