@@ -136,3 +136,17 @@ def counted_fused_head(rank: int, world: int, path: str, ids) -> dict[str, dict[
     with hp_lazy.collective_counter() as backbone:
         model.model(input_ids=ids).last_hidden_state.sum().backward()
     return {"whole": dict(whole.payload), "backbone": dict(backbone.payload)}
+
+
+def sft_local_aux(rank: int, world: int, path: str, out: str) -> dict[str, Any]:
+    """Negative control under ep: TRL's aux loss through Mixtral's function on this rank's rows."""
+    import contextlib
+
+    from hp_lazy.integrations import trl as integration
+
+    routed = integration._global_aux
+    integration._global_aux = lambda model: contextlib.nullcontext()
+    try:
+        return sft(rank, world, path, out)
+    finally:
+        integration._global_aux = routed

@@ -11,13 +11,24 @@ Installed by ``activate`` when ``trl.trainer.utils`` is imported, this module pu
 place of that module's ``_ChunkedLogProbFunction``: handed a weight that hp_lazy registered as a
 vocab shard (:func:`hp_lazy.runtime.tp.logprobs.shard_of`), it computes every requested per-token
 field over the whole vocabulary from the shards (:func:`hp_lazy.runtime.tp.logprobs.per_token`);
-any other weight goes to TRL's kernel untouched. Everything else TRL does (its data collation,
-``gather_for_metrics``, ``get_tp_size``) already goes through hp_lazy's accelerate and Trainer
-integrations.
+any other weight goes to TRL's kernel untouched.
+
+The fused forward adds an MoE model's load-balancing aux loss (TRL turns ``output_router_logits``
+on) through Mixtral's ``load_balancing_loss_func``, not the model's own module's, which hp_lazy
+makes global under expert parallel (:mod:`hp_lazy.runtime.ep.aux`): on one rank's rows it is not
+one process's aux loss. ``add_fused_lm_head`` is wrapped so that, during a fused call of a model
+whose modeling module holds hp_lazy's global function, Mixtral's name points to that function.
+Everything else TRL does (its data collation, ``gather_for_metrics``, ``get_tp_size``) already goes
+through hp_lazy's accelerate and Trainer integrations.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import importlib
+import sys
+from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
@@ -34,6 +45,48 @@ def install(module: ModuleType) -> None:
     if stock is None or getattr(stock, PATCHED, False):
         return
     setattr(module, KERNEL, _dispatcher(stock))
+    add = getattr(module, "add_fused_lm_head", None)
+    if add is not None:
+        module.add_fused_lm_head = _with_global_aux(add)  # type: ignore[attr-defined]
+
+
+AUX = "load_balancing_loss_func"
+MIXTRAL = "transformers.models.mixtral.modeling_mixtral"
+"""Where TRL's fused forward takes the MoE aux loss function from, for every family."""
+
+
+def _with_global_aux(stock: Callable[..., None]) -> Callable[..., None]:
+    @functools.wraps(stock)
+    def add_fused_lm_head(model: Any, *args: Any, **kwargs: Any) -> None:
+        stock(model, *args, **kwargs)
+        fused = model.forward
+
+        @functools.wraps(fused)
+        def forward(*inner: Any, **named: Any) -> Any:
+            if not named.get("fused_lm_head"):
+                return fused(*inner, **named)
+            with _global_aux(model):
+                return fused(*inner, **named)
+
+        model.forward = forward
+
+    return add_fused_lm_head
+
+
+@contextlib.contextmanager
+def _global_aux(model: Any) -> Iterator[None]:
+    """Mixtral's aux-loss function is the model module's global one (hp_lazy's, under ep) for the call."""
+    own = getattr(sys.modules.get(type(model).__module__), AUX, None)
+    if getattr(own, "hp_original", None) is None:
+        yield
+        return
+    mixtral = importlib.import_module(MIXTRAL)
+    before = getattr(mixtral, AUX)
+    setattr(mixtral, AUX, own)
+    try:
+        yield
+    finally:
+        setattr(mixtral, AUX, before)
 
 
 def _dispatcher(stock: Any) -> type:
