@@ -26,3 +26,17 @@ def test_sft_trainer_dp_tp(pool: DistPool, refs, tmp_path, variant: dict) -> Non
     trlwork.compare(got[0], ref)
     for other in got[1:]:
         trlwork.compare(other, {k: v for k, v in ref.items() if k != "state"})
+
+
+def test_sft_trainer_cp_tp(pool4: DistPool, refs, tmp_path) -> None:
+    """cp=2 x tp=2: the fused head runs on each rank's zigzag rows over the tp shards of the vocabulary."""
+    import cpwork
+
+    path, _ = refs("llama")
+    pool4.close()  # new workers: the modeling code is lowered for the cp x tp plan
+    parity.once(pool4, cpwork.activate, 2, 2)
+    ref = trlwork.sft(0, 1, path, str(tmp_path / "ref"))
+    got = pool4.run(trlwork.sft, path, str(tmp_path / "hp"))
+    trlwork.compare(got[0], ref)
+    for other in got[1:]:
+        trlwork.compare(other, {k: v for k, v in ref.items() if k != "state"})

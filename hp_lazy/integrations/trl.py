@@ -66,11 +66,53 @@ def _with_global_aux(stock: Callable[..., None]) -> Callable[..., None]:
             if not named.get("fused_lm_head"):
                 return fused(*inner, **named)
             with _global_aux(model):
-                return fused(*inner, **named)
+                entry = _context_entry(model, inner, named)
+                if entry is None:
+                    return fused(*inner, **named)
+                return _split_over_cp(entry, fused, model, named)
 
         model.forward = forward
 
     return add_fused_lm_head
+
+
+FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1", "label_mask")
+"""The per-token fields of TRL's ``FusedCausalLMOutput``, ``[batch, seq - 1]``."""
+
+
+def _context_entry(model: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
+    """The context-parallel entry of ``model`` once bound (binding it now, as its lowered forward
+    would), or None when it is not split over cp."""
+    from hp_lazy.names import CP_ENTRY
+    from hp_lazy.runtime import registry, rt
+
+    if registry.lowered_for(type(model)) is None:
+        return None
+    rt.ensure_parallel(model, {"args": args, "kwargs": kwargs})
+    entry = model.__dict__.get(CP_ENTRY)
+    return entry if entry is not None and entry.group.size > 1 else None
+
+
+def _split_over_cp(entry: Any, fused: Callable[..., Any], model: Any, kwargs: dict[str, Any]) -> Any:
+    """TRL's fused forward on this rank's zigzag rows: the entry splits the batch and hands TRL
+    pre-shifted local labels (``shift_labels``, scored without shifting) and the global label count,
+    and sums the loss over cp; the per-token fields are gathered back into sequence order and cut to
+    the ``seq - 1`` positions one process scores, so the outputs are one process's on every rank
+    (their backward keeps this rank's rows)."""
+    import torch
+
+    from hp_lazy.runtime.cp.gather import gather_sequence
+
+    def call(module: Any, **named: Any) -> Any:
+        return fused(**named)
+
+    out = entry(call, model, (), kwargs)
+    for name in FIELDS:
+        value = getattr(out, name, None)
+        if isinstance(value, torch.Tensor) and value.dim() == 2:
+            whole = gather_sequence(value if value.is_floating_point() else value.to(torch.int32), entry.group)
+            setattr(out, name, (whole if value.is_floating_point() else whole.to(value.dtype))[:, :-1])
+    return out
 
 
 @contextlib.contextmanager

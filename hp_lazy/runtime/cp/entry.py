@@ -41,8 +41,11 @@ IGNORE = -100
 _KNOWN = frozenset(
     {"input_ids", "inputs_embeds", "labels", "position_ids", "attention_mask", "shift_labels", "num_items_in_batch",
      "use_cache", "past_key_values", "output_attentions", "output_hidden_states", "logits_to_keep", "return_dict",
-     "cache_position", "output_router_logits"}
+     "cache_position", "output_router_logits", "seq_idx"}
 )
+SPLIT_AS_TOKENS = ("seq_idx",)
+"""Per-token ``[batch, seq]`` metadata kept for this rank's rows like the tokens (TRL's padding-free
+packing passes the documents' ids; the attention reads the documents from the position ids)."""
 
 
 def packed_documents(positions: torch.Tensor) -> torch.Tensor | None:
@@ -155,6 +158,9 @@ class ContextEntry:
                                                                "attention_mask", "labels", "shift_labels")}
         call["input_ids" if ids is not None else "inputs_embeds"] = tokens.index_select(1, zig.local)
         call["position_ids"] = positions.index_select(1, zig.local)
+        for name in SPLIT_AS_TOKENS:
+            if isinstance(values.get(name), torch.Tensor) and values[name].shape[:2] == (batch, seq):
+                call[name] = values[name].index_select(1, zig.local)
         call["use_cache"] = False
         labels, shifted = values.get("labels"), values.get("shift_labels")
         has_labels = labels is not None or shifted is not None

@@ -1,0 +1,48 @@
+"""TRL under context parallel (cp=2 at world 2, both ranks passing the same full batch): TRL's fused
+LM head runs on each rank's zigzag rows (hp_lazy's entry splits the fused call and hands TRL
+pre-shifted labels), its per-token outputs come back whole. ``SFTTrainer`` (plain, packing,
+completion-only) and the fused head in a user loop, against one process."""
+
+from __future__ import annotations
+
+import cpwork
+import models
+import parity
+import pytest
+import trlwork
+from dist import DistPool, pool_fixture
+
+pytest.importorskip("trl")
+
+pool2 = pool_fixture(2, timeout=240)
+
+
+@pytest.fixture(scope="module")
+def ready(pool2: DistPool, tmp_path_factory):
+    path = models.build("llama", str(tmp_path_factory.mktemp("models")))
+    return parity.once(pool2, cpwork.activate, 2, 1), path
+
+
+@pytest.mark.parametrize("variant", [{}, {"packing": True}, {"completion_only": True}],
+                         ids=["plain", "packing", "completion_only"])
+def test_sft_trainer_under_cp(ready, tmp_path, variant: dict) -> None:
+    pool, path = ready
+    ref = trlwork.sft(0, 1, path, str(tmp_path / "ref"), **variant)
+    got = pool.run(trlwork.sft, path, str(tmp_path / "hp"), **variant)
+    trlwork.compare(got[0], ref)
+    trlwork.compare(got[1], {k: v for k, v in ref.items() if k != "state"})
+
+
+def test_fused_head_user_loop_under_cp(ready) -> None:
+    """The fused call is the first forward; every per-token field whole and in sequence order."""
+    pool, path = ready
+    ids = models.batch()
+    knobs = {"outputs": ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1"), "temperature": 0.7}
+    ref = trlwork.fused_head(0, 1, path, ids, **knobs)
+    got = pool.run(trlwork.fused_head, path, ids, **knobs)
+    for name, value in ref["fields"].items():
+        for rank in got:
+            assert models.rel_err(rank["fields"][name], value) <= parity.TOL, name
+    assert all(models.rel_err(rank["loss"], ref["loss"]) <= parity.TOL for rank in got)
+    errors = {n: models.rel_err(got[0]["grads"][n], g) for n, g in ref["grads"].items()}
+    assert max(errors.values()) <= parity.TOL, sorted(errors.items(), key=lambda e: -e[1])[:3]
