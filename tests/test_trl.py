@@ -88,3 +88,12 @@ def test_fused_head_bytes(pool: DistPool, refs) -> None:
         assert extra[("all_reduce", "forward")] == 7 * n * 4
         assert extra[("all_reduce", "backward")] == n * hidden * 4
         assert all(v == 0 for k, v in extra.items() if k[0] != "all_reduce")
+
+
+def test_dpo_trainer(pool: DistPool, refs, tmp_path) -> None:
+    """DPOTrainer (the reference model loaded by TRL from the checkpoint, bound too): every logged
+    number (rewards, log-probs, the fused head's mean logits) and every parameter after 2 steps."""
+    path, _ = refs("llama")
+    ref = _reference(trlwork.dpo, path, str(tmp_path / "ref"))
+    assert float(ref["rewards/accuracies"][-1]) > 0  # the second step sees the first's update
+    trlwork.compare_logged(pool.run(trlwork.dpo, path, str(tmp_path / "hp"))[0], ref)

@@ -10,7 +10,7 @@ import models
 import parity
 import pytest
 import trlwork
-from dist import DistPool, pool_fixture
+from dist import DistPool, WorkerError, pool_fixture
 
 pytest.importorskip("trl")
 
@@ -46,3 +46,18 @@ def test_fused_head_user_loop_under_cp(ready) -> None:
     assert all(models.rel_err(rank["loss"], ref["loss"]) <= parity.TOL for rank in got)
     errors = {n: models.rel_err(got[0]["grads"][n], g) for n, g in ref["grads"].items()}
     assert max(errors.values()) <= parity.TOL, sorted(errors.items(), key=lambda e: -e[1])[:3]
+
+
+def test_dpo_trainer_under_cp(ready, tmp_path) -> None:
+    """DPO's chosen and rejected rows padded to a multiple of 2 * cp by TRL's collator."""
+    pool, path = ready
+    ref = trlwork.dpo(0, 1, path, str(tmp_path / "ref"), pad_to=4)
+    trlwork.compare_logged(pool.run(trlwork.dpo, path, str(tmp_path / "hp"), pad_to=4)[0], ref)
+
+
+def test_an_unpadded_length_is_refused_naming_the_collator_option(ready, tmp_path) -> None:
+    pool, path = ready
+    with pytest.raises(WorkerError, match=r"a sequence of 18 tokens under context parallel \(cp=2\): the zigzag layout "
+                                          r"cuts it into 2\*cp = 4 equal chunks; pad it to a multiple of 4 .* "
+                                          r"pad_to_multiple_of=4 does it"):
+        pool.run(trlwork.dpo, path, str(tmp_path / "hp"))

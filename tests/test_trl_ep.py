@@ -37,3 +37,10 @@ def test_a_local_aux_loss_is_wrong(ready, tmp_path) -> None:
     got = pool.run(trlwork.sft_local_aux, path, str(tmp_path / "local"))
     with pytest.raises(AssertionError, match="relative errors above"):
         trlwork.compare(got[0], ref)
+
+
+def test_dpo_trainer_under_ep(ready, tmp_path) -> None:
+    pool, path = ready
+    ref = trlwork.dpo(0, 1, path, str(tmp_path / "ref"))
+    assert "aux_loss" in ref  # TRL turns the MoE's load-balancing loss on
+    trlwork.compare_logged(pool.run(trlwork.dpo, path, str(tmp_path / "hp"))[0], ref)

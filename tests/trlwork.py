@@ -150,3 +150,59 @@ def sft_local_aux(rank: int, world: int, path: str, out: str) -> dict[str, Any]:
         return sft(rank, world, path, out)
     finally:
         integration._global_aux = routed
+
+
+def _preferences():
+    """8 rows of prompt (5 tokens) / chosen / rejected (6 tokens each) texts."""
+    from datasets import Dataset
+
+    ids = models.batch(seed=5, batch_size=8, seq=17).tolist()
+    text = [[f"t{i}" for i in row] for row in ids]
+    return Dataset.from_dict({"prompt": [" ".join(r[:5]) for r in text], "chosen": [" ".join(r[5:11]) for r in text],
+                              "rejected": [" ".join(r[11:]) for r in text]})
+
+
+SKIP_LOGGED = ("learning_rate", "epoch", "step", "num_tokens")
+
+
+def dpo(rank: int, world: int, path: str, out: str, pad_to: int | None = None) -> dict[str, Any]:
+    """``DPOTrainer(model=..., args=DPOConfig(...), train_dataset=...).train()``, 2 steps (the reference
+    model loaded by TRL from the same checkpoint): every logged number per step, rank 0 the parameters."""
+    import torch
+    from trl import DPOConfig, DPOTrainer
+
+    import hp_lazy
+    from hp_lazy.api import active_plan
+
+    model = trainwork.parity._load(path)
+    dp = hp_lazy.mesh().group("dp").size if active_plan() is not None else 1
+    args = DPOConfig(
+        output_dir=out, per_device_train_batch_size=trainwork.GLOBAL_BATCH // dp, max_steps=2, logging_steps=1,
+        report_to=[], optim="sgd", learning_rate=0.1, weight_decay=0.01, save_strategy="no", use_cpu=True,
+        disable_tqdm=True, bf16=False, seed=0, dataset_num_proc=None, pad_to_multiple_of=pad_to,
+    )
+    run = DPOTrainer(model=model, args=args, train_dataset=_preferences(), processing_class=tokenizer())
+    run.train()
+    logged = [h for h in run.state.log_history if "loss" in h]
+    keys = sorted(k for k in logged[0] if k not in SKIP_LOGGED and isinstance(logged[0][k], float))
+    result: dict[str, Any] = {k: torch.tensor([h[k] for h in logged], dtype=torch.float64) for k in keys}
+    state = hp_lazy.full_state_dict(model) if active_plan() is not None else {
+        k: v.detach().clone() for k, v in model.state_dict().items()}
+    if rank == 0:
+        result["state"] = state
+    return result
+
+
+def compare_logged(got: dict[str, Any], ref: dict[str, Any], tol: float = 1e-5) -> dict[str, float]:
+    """Every logged number and (when given) every parameter. DPO's rewards are beta times a difference
+    of log-probabilities (~40 here) and their margins a difference of those: their errors are
+    relative to that scale, not to their own small values."""
+    assert set(got) - {"state"} == set(ref) - {"state"}, set(got) ^ set(ref)
+    errors = {k: models.rel_err(got[k], v) for k, v in ref.items() if k != "state" and not k.startswith("rewards/")}
+    scale = 0.1 * float(ref["logps/chosen"].abs().max()) if "logps/chosen" in ref else 1.0
+    errors.update({k: float((got[k] - v).abs().max()) / scale for k, v in ref.items() if k.startswith("rewards/")})
+    if "state" in got:
+        errors.update({f"param {n}": models.rel_err(got["state"][n], v) for n, v in ref["state"].items()})
+    bad = {k: v for k, v in errors.items() if not v <= tol}
+    assert not bad, f"relative errors above {tol}: {dict(list(bad.items())[:6])}"
+    return errors

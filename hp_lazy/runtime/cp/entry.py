@@ -125,7 +125,8 @@ class ContextEntry:
             raise self._refuse(
                 f"a sequence of {seq} tokens", f"the zigzag layout cuts it into 2*cp = {multiple} equal chunks",
                 f"pad it to a multiple of {multiple} ({seq + (-seq) % multiple} tokens: pad ids with label "
-                f"{IGNORE} and attention_mask 0 at the padding)",
+                f"{IGNORE} and attention_mask 0 at the padding; a data collator's pad_to_multiple_of={multiple} "
+                "does it: transformers' DataCollatorWithPadding, TRL's SFTConfig / DPOConfig)",
             )
         for name, value in values.items():
             along = isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[:2] == (batch, seq)
