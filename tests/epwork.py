@@ -326,3 +326,16 @@ def load_before_forward(rank: int, world: int, path: str) -> str:
     except Exception as exc:
         return f"{type(exc).__name__}: {exc}"
     return "ok"
+
+
+def lora_on_experts(rank: int, world: int, path: str) -> str:
+    """PEFT ``target_parameters`` on the experts' 3-D tensors, then a forward: the error text."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=2, target_modules=[], target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    model = get_peft_model(load(path), config)
+    try:
+        model(**{k: v[rank : rank + 1] for k, v in batch().items()})
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "ok"

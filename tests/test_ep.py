@@ -47,6 +47,15 @@ def test_ep_matches_one_process(ready, name: str, impl: str) -> None:
     assert max(errors.values()) <= parity.TOL
 
 
+def test_lora_on_expert_parameters_is_refused(ready) -> None:
+    """PEFT sizes a target_parameters adapter from this rank's expert slice: refused, not trained wrong."""
+    pool, root = ready
+    for text in pool.run(epwork.lora_on_experts, models.build("qwen3_moe", root)):
+        assert text.startswith("ShardingError: model.layers.1.mlp.experts: PEFT LoRA on the parameter 'down_proj' "
+                               "(target_parameters), which hp_lazy cuts S(0) of [4, 32, 32]: PEFT sized the adapter "
+                               "from this rank's shard [2, 32, 32]"), text
+
+
 def test_refresh_keeps_the_expert_rules(ready) -> None:
     """A module registered under the bound model re-binds it (the refresh PEFT, a resized
     embedding or a wrapper set off): expert slices stay summed over their edp ranks, not averaged

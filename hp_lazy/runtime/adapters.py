@@ -152,6 +152,26 @@ def lay_out(
         _full_dropout_masks(tuner, tuple(c for c in cuts if c.dim == 1))
 
 
+def refuse_cut_parameter_adapters(root: nn.Module, by_param: Mapping[int, ParamLayout]) -> None:
+    """PEFT's LoRA on a parameter (``target_parameters``: a 3-D expert tensor) that hp_lazy cuts:
+    PEFT sizes such an adapter from the tensor it finds (this rank's shard, and the experts module's
+    local ``num_experts``), so each rank would train adapters of its own shape and initialisation,
+    averaged over dp like dense parameters: not one process's LoRA. Refused, naming the parameter."""
+    for name, module in root.named_modules():
+        wanted = getattr(module, "parameter_name", None)
+        if not is_tuner(module) or not isinstance(wanted, str):
+            continue
+        param = base_of(module)._parameters.get(wanted)
+        layout = by_param.get(id(param)) if param is not None else None
+        if param is not None and layout is not None and layout.shards:
+            raise ShardingError(
+                f"{name}: PEFT LoRA on the parameter {wanted!r} (target_parameters), which hp_lazy cuts "
+                f"{layout.describe()} of {list(layout.full_shape)}: PEFT sized the adapter from this rank's shard "
+                f"{list(param.shape)}, so it is not one process's LoRA; target the attention and dense MLP modules "
+                "(target_modules), or train these experts without ep and tp"
+            )
+
+
 def _saved_bases() -> tuple[str, ...]:
     """Module names whose base weight PEFT's ``save_pretrained`` stores with the adapter when they
     are targeted (``save_embedding_layers="auto"``): ``embed_tokens``, ``lm_head``, ..."""

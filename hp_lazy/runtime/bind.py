@@ -225,6 +225,7 @@ def refresh(model: nn.Module) -> None:
     bound = [(n, m, b.contract) for n, m in model.named_modules() if isinstance(b := m.__dict__.get(BINDING), Binding)]
     for fqn, module, _ in bound:
         adapters.lay_out(fqn, module, table, by_param, table.groups)
+    adapters.refuse_cut_parameter_adapters(model, by_param)
     _, _, lowered = next(_outermost_roots(model))
     mesh = get_mesh(dict(lowered.plan.mesh))
     ctx = BindContext(root=model, plan=lowered.plan, mesh=mesh, groups=table.groups, table=table, bound=bound)
@@ -296,6 +297,7 @@ def _bind_root(root: nn.Module, lowered: registry.Lowered, mesh: Mesh) -> BindCo
             setattr(module, BINDING, None)
             continue
         _bind_boundary(fqn, module, contract, ctx, styles)
+    adapters.refuse_cut_parameter_adapters(root, ctx.by_param)
     for style in styles:
         style.gradients(ctx)
         style.finish(ctx)
