@@ -181,6 +181,15 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return gather(model)
 
 
+def full_weights(model: nn.Module, bucket_mb: float = 256.0) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Stream the model's full weights out (RL weight sync, export): buckets of ``(name, tensor)``
+    in ``model.state_dict()``'s names, each at most ``bucket_mb`` MiB, gathered one bucket at a
+    time; every rank iterates and receives every tensor (a collective per sharded tensor)."""
+    from hp_lazy.runtime.state import full_weights as stream
+
+    return stream(model, int(bucket_mb * 2**20))
+
+
 def full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
     """Parameter FQN -> full gradient (a collective)."""
     from hp_lazy.runtime.state import full_grads as gather

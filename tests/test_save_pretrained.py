@@ -77,6 +77,48 @@ def _torch_save(rank: int, world: int, path: str, out: str) -> str:
     return "saved"
 
 
+def _stream(rank: int, world: int, path: str, bucket_mb: float, alone: bool = False) -> dict:
+    """``hp_lazy.full_weights`` on every rank (``alone``: rank 0 only, the others wait past its timeout)."""
+    import os
+    import time
+
+    import hp_lazy
+
+    os.environ["HP_LAZY_ARRIVAL_TIMEOUT_S"] = "3"
+    model = hp_lazy.parallelize(parity._load(path))
+    if alone and rank != 0:
+        time.sleep(8)
+        return {}
+    start = time.monotonic()
+    try:
+        buckets = [[(name, tensor.clone()) for name, tensor in bucket] for bucket in hp_lazy.full_weights(model, bucket_mb)]
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - start}
+    full = hp_lazy.full_state_dict(model)
+    return {"sizes": [sum(t.numel() * t.element_size() for _, t in b) for b in buckets],
+            "largest": max(t.numel() * t.element_size() for b in buckets for _, t in b),
+            "streamed": {n: t for b in buckets for n, t in b}, "full": full}
+
+
+def test_full_weights_streams_every_tensor_in_buckets(pool2: DistPool, refs) -> None:
+    path, _ = refs("llama")
+    limit = 16 * 2**10
+    for got in parity.activated(pool2, tp=2).run(_stream, path, limit / 2**20):
+        assert got["streamed"].keys() == got["full"].keys()
+        assert all(torch.equal(got["streamed"][n], v) for n, v in got["full"].items())
+        assert len(got["sizes"]) > 3 and all(size <= max(limit, got["largest"]) for size in got["sizes"])
+
+
+def test_full_weights_on_one_rank_fails_fast(pool2: DistPool, refs) -> None:
+    path, _ = refs("llama")
+    got = parity.activated(pool2, tp=2).run(_stream, path, 1.0, alone=True)[0]
+    pool2.close()  # the arrival check's group is out of step now
+    assert got["seconds"] < 10
+    assert got["error"].startswith("ShardingError: hp_lazy: rank 0 entered hp_lazy.full_weights, but not every rank of "
+                                   "the world did within 3 s"), got["error"]
+    assert "iterate it on every rank" in got["error"]
+
+
 def test_save_pretrained_on_rank0_only_fails_fast(pool2: DistPool, refs, tmp_path) -> None:
     """It hung until the process-group timeout (600 s), then a gloo error with no hint."""
     path, _ = refs("llama")

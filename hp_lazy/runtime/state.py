@@ -9,10 +9,15 @@ loads: :mod:`hp_lazy.runtime.checkpoint`.)
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
+from hp_lazy.errors import ShardingError
+from hp_lazy.names import GRADS_ATTR
 from hp_lazy.runtime.layout import LayoutTable, ParamLayout, tables
+from hp_lazy.runtime.mesh import check_arrival
 
 
 def _layouts(model: nn.Module) -> tuple[dict[str, ParamLayout], LayoutTable | None]:
@@ -54,3 +59,35 @@ def full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
         for name, param in model.named_parameters()
         if param.grad is not None
     }
+
+
+def full_weights(model: nn.Module, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """``model.state_dict()``'s names and full tensors in buckets of at most ``bucket_bytes`` (a
+    tensor larger than that is a bucket of its own), every rank taking part and receiving them:
+    for streaming weights out (RL weight sync, export to an inference engine). Sharded tensors are
+    gathered one bucket at a time (the iterator holds no more); unsharded ones are the model's own
+    tensors, detached (no copy). A rank that iterates alone fails within ``HP_LAZY_ARRIVAL_TIMEOUT_S``."""
+    if bucket_bytes <= 0:
+        raise ShardingError(f"hp_lazy.full_weights: bucket_mb must be positive, got {bucket_bytes} bytes")
+    from hp_lazy.runtime.checkpoint.hooks import local_shards  # imported once a model is bound
+
+    owner = next((m.__dict__[GRADS_ATTR] for m in model.modules() if GRADS_ATTR in m.__dict__), None)
+    if owner is not None:
+        check_arrival(owner.mesh, "hp_lazy.full_weights", "iterate it on every rank (each gathers its shards); "
+                      "keep or send the tensors on one rank only")
+    layouts, table = _layouts(model)
+    with local_shards():
+        local = model.state_dict()
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in local.items():
+        layout = layouts.get(name)
+        full = tensor.detach() if layout is None else _full(tensor, layout, table)
+        nbytes = full.numel() * full.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, full))
+        size += nbytes
+    if bucket:
+        yield bucket
