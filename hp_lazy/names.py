@@ -55,6 +55,9 @@ WATCH = "_hp_watch"
 """Module ``__dict__`` key on every module of a bound model: set dirty when a submodule is replaced."""
 ADAPTER_HOOKS = "_hp_adapter_hooks"
 """PEFT tuner layer ``__dict__`` key: the handles of its full-adapter state-dict hooks."""
+ROUTED = "hp_routed"
+"""Function attribute: a replacement ``forward`` of a bound model that hp_lazy installed or
+integrated (TRL's fused head): the replaced-forward guard does not read it."""
 LAZY_HOOK = "_initialize_hook"
 """Lowered root classes: torch's lazy-module attribute (``torch.compile`` binds before tracing)."""
 LAZY_INIT = "_infer_parameters"
@@ -69,5 +72,5 @@ OPTIM_ADOPTED = "_hp_adopted"
 GENERATED: frozenset[str] = frozenset({RT, INFO, BINDING, FORM, OUT, CALL})
 ATTACHED: frozenset[str] = frozenset(
     {BOUND, LAYOUT_ATTR, GRADS_ATTR, LEAF_INPUTS, VOCAB_RANGE, INPUT_CHECK, CP_ENTRY, EP_DISPATCH, EP_LOAD, PATCHED,
-     OPTIM_ADOPTED, LAID_OUT, LEAF, WATCH, ADAPTER_HOOKS, LAZY_HOOK, LAZY_INIT}
+     OPTIM_ADOPTED, LAID_OUT, LEAF, WATCH, ADAPTER_HOOKS, LAZY_HOOK, LAZY_INIT, ROUTED}
 )

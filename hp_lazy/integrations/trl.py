@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
-from hp_lazy.names import PATCHED
+from hp_lazy.names import PATCHED, ROUTED
 
 KERNEL = "_ChunkedLogProbFunction"
 """The name ``trl.trainer.utils`` calls its fused-head kernel by (``add_fused_lm_head``'s forward
@@ -71,6 +71,7 @@ def _with_global_aux(stock: Callable[..., None]) -> Callable[..., None]:
                     return fused(*inner, **named)
                 return _split_over_cp(entry, fused, model, named)
 
+        setattr(forward, ROUTED, True)  # the replaced-forward guard (hp_lazy.runtime.guard) lets it be
         model.forward = forward
 
     return add_fused_lm_head

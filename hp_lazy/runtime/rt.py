@@ -16,6 +16,7 @@ from torch import nn
 
 from hp_lazy.errors import ShardingError
 from hp_lazy.names import BOUND, CP_ENTRY, GRADS_ATTR, INPUT_CHECK, LAZY_HOOK, LAZY_INIT, WATCH
+from hp_lazy.runtime import guard
 from hp_lazy.runtime.binding import Binding, CallContext, add_deferred_bias
 from hp_lazy.runtime.comm import (
     all_to_all,
@@ -86,6 +87,9 @@ def ensure_parallel(module: nn.Module, inputs: Mapping[str, Any] | None = None) 
         from hp_lazy.runtime.bind import refresh
 
         refresh(watch.top())
+    top = watch.top() if watch is not None else None
+    if top is not None and "forward" in top.__dict__:  # someone replaced the model's forward
+        guard.check(top)
     owner = module.__dict__.get(GRADS_ATTR)
     if owner is not None:
         owner.check(module)
