@@ -398,6 +398,7 @@ def child_rank(family: str, workdir: str) -> None:
     rank = int(os.environ["RANK"])
     try:
         import hp_lazy
+        from hp_lazy.runtime import record
 
         if _ep() > 1:
             hp_lazy.activate("auto", ep=_ep())
@@ -419,7 +420,7 @@ def child_rank(family: str, workdir: str) -> None:
         torch.manual_seed(0)
         model = getattr(transformers, meta["auto"]).from_pretrained(workdir, dtype=_dtype(), **_load_options())
         hp_lazy.parallelize(model)
-        table = model.__dict__["_hp_layout"]
+        table = record.of(model).table
         sharded = sum(1 for name, _ in model.named_parameters() if table is not None and name in table)
         total = sum(1 for _ in model.parameters())
         rows = slice(rank, rank + 1) if _ep() > 1 else slice(None)

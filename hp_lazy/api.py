@@ -169,7 +169,7 @@ def mesh() -> Mesh:
 
 def parallelize(model: nn.Module, *, data_parallel: bool | None = None) -> nn.Module:
     """Shard ``model`` in place and bind it now (the first forward does it otherwise)."""
-    from hp_lazy.runtime.bind import parallelize as bind
+    from hp_lazy.runtime.owner import parallelize as bind
 
     return bind(model, data_parallel=data_parallel)
 

@@ -30,10 +30,9 @@ IMPL = "_forward_impl"
 # -- attached at run time
 BOUND = "_hp_bound"
 """Module ``__dict__`` key: the model (and each lowered module in it) is bound."""
-LAYOUT_ATTR = "_hp_layout"
-"""Bound root's ``__dict__`` key: its :class:`~hp_lazy.runtime.layout.LayoutTable`."""
-GRADS_ATTR = "_hp_grads"
-"""Bound root's ``__dict__`` key: its gradient owner."""
+OWNER = "_hp_owner"
+"""Top-level model ``__dict__`` key: its :class:`~hp_lazy.runtime.record.BoundModel` (mesh, layout
+table, roots, styles, gradient owner), once laid out or bound."""
 LEAF_INPUTS = "_hp_inputs"
 """Leaf modules: (input name, position) pairs their entry ops apply to."""
 VOCAB_RANGE = "_hp_vocab"
@@ -64,13 +63,13 @@ LAZY_INIT = "_infer_parameters"
 """Lowered root classes: torch's lazy-module initialiser, here ``parallelize``."""
 
 LAID_OUT = "_hp_laid_out"
-"""Model ``__dict__`` key: laid out and bound before its weights were read (shard-on-read), waiting
-for its gradient owner (:func:`hp_lazy.runtime.bind.parallelize`)."""
+"""Lowered submodule ``__dict__`` key: the name of the top-level model whose layout it is part of,
+laid out before its weights were read (shard-on-read; :func:`hp_lazy.runtime.owner.lay_out_before_load`)."""
 OPTIM_ADOPTED = "_hp_adopted"
 """Optimizer ``__dict__`` key: whether its state dict presents hp_lazy shards (set at its first step)."""
 
 GENERATED: frozenset[str] = frozenset({RT, INFO, BINDING, FORM, OUT, CALL})
 ATTACHED: frozenset[str] = frozenset(
-    {BOUND, LAYOUT_ATTR, GRADS_ATTR, LEAF_INPUTS, VOCAB_RANGE, INPUT_CHECK, CP_ENTRY, EP_DISPATCH, EP_LOAD, PATCHED,
+    {BOUND, OWNER, LEAF_INPUTS, VOCAB_RANGE, INPUT_CHECK, CP_ENTRY, EP_DISPATCH, EP_LOAD, PATCHED,
      OPTIM_ADOPTED, LAID_OUT, LEAF, WATCH, ADAPTER_HOOKS, LAZY_HOOK, LAZY_INIT, ROUTED}
 )

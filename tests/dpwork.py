@@ -82,6 +82,7 @@ def _wrapped(model, wrap: str):
 def train(rank: int, world: int, path: str, wrap: str = "hp", kind: str = "sgd", micro: int = 1) -> dict[str, Any]:
     """This rank's part of the global batch, through ``wrap``; rank 0 returns full tensors."""
     import hp_lazy
+    from hp_lazy.runtime.grads import owner_of
 
     model = hp_lazy.parallelize(parity._load(path), data_parallel=(wrap == "hp"))
     dp = hp_lazy.mesh().group("dp")
@@ -94,7 +95,7 @@ def train(rank: int, world: int, path: str, wrap: str = "hp", kind: str = "sgd",
     no_sync = hp_lazy.no_sync if wrap == "hp" else ((lambda m: m.no_sync()) if wrap == "ddp" else None)
     losses = step_losses(net, ids, optimizer(kind, net.parameters()), micro=micro, no_sync=no_sync)
     state = hp_lazy.full_state_dict(model)
-    owner = model.__dict__.get("_hp_grads")
+    owner = owner_of(model)
     result = {"loss": out.loss.detach(), "losses": losses, "backward": counter.by_phase("backward"),
               "buckets": owner.all_reduces_per_step if owner is not None else None}
     if rank == 0:

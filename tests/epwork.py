@@ -339,3 +339,23 @@ def lora_on_experts(rank: int, world: int, path: str) -> str:
     except Exception as exc:
         return f"{type(exc).__name__}: {exc}"
     return "ok"
+
+
+def record_across_refresh(rank: int, world: int, path: str) -> dict[str, Any]:
+    """The bound model's record before and after a refresh (a module registered under it)."""
+    import torch
+
+    import hp_lazy
+    from hp_lazy import names
+    from hp_lazy.runtime import record
+
+    model = hp_lazy.parallelize(load(path))
+    before = record.of(model)
+    styles, grads = dict(before.styles), before.grads
+    model.add_module("probe", torch.nn.Identity())
+    model(**{k: v[rank : rank + 1] for k, v in batch().items()})
+    after = record.of(model)
+    hp_keys = sorted(k for k in model.__dict__ if k.startswith("_hp_"))
+    return {"same_record": after is before, "same_styles": all(after.styles[a] is s for a, s in styles.items()),
+            "axes": sorted(styles), "new_grads": after.grads is not grads, "keys": hp_keys,
+            "owner_key": names.OWNER, "rules": sum(r.axes == ("edp",) for r in after.grads.rules.values())}

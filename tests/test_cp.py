@@ -71,7 +71,8 @@ def _with(**extra):
 REFUSED = [
     ({"input_ids": models.batch(seq=14), "labels": models.batch(seq=14)},
      "a sequence of 14 tokens under context parallel (cp=2): the zigzag layout cuts it into 2*cp = 4 equal chunks; "
-     "pad it to a multiple of 4 (16 tokens: pad ids with label -100 and attention_mask 0 at the padding)"),
+     "pad it to a multiple of 4 (16 tokens: pad ids with label -100 and attention_mask 0 at the padding; a data "
+     "collator's pad_to_multiple_of=4 does it: transformers' DataCollatorWithPadding, TRL's SFTConfig / DPOConfig)"),
     (_with(use_cache=True), "a KV cache (use_cache=True / past_key_values) under context parallel (cp=2): generation "
      "appends one token at a time, which cannot be split over the sequence; generate with a tp-only plan"),
     (_with(output_attentions=True), "output_attentions=True under context parallel (cp=2): the attention weights are "

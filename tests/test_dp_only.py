@@ -43,7 +43,10 @@ def _multi_axis(rank: int, world: int, placements: dict[str, str]) -> dict:
     L.shard_in_place(module.w, layout)
     table = L.LayoutTable(groups)
     table.add(layout)
-    module.__dict__["_hp_layout"] = table
+    from hp_lazy.names import OWNER
+    from hp_lazy.runtime.record import BoundModel
+
+    module.__dict__[OWNER] = BoundModel(mesh=mesh, table=table, roots=())
     return {"local": module.w.detach().clone(), "full": full_state_dict(module)["w"],
             "ranks": (groups["ep"].rank, groups["tp"].rank), "owns": module.w.untyped_storage().nbytes() == module.w.numel() * 4}
 

@@ -47,6 +47,16 @@ def test_ep_matches_one_process(ready, name: str, impl: str) -> None:
     assert max(errors.values()) <= parity.TOL
 
 
+def test_the_record_outlives_a_refresh(ready) -> None:
+    """One record per bound model (runtime/record): a refresh keeps it and the style instances that
+    bound the model, and gives it a new gradient owner with the expert rules."""
+    pool, root = ready
+    for got in pool.run(epwork.record_across_refresh, models.build("qwen3_moe", root)):
+        assert got["same_record"] and got["same_styles"] and got["new_grads"], got
+        assert got["axes"] == ["ep"] and got["rules"] == 2  # gate_up_proj and down_proj, summed over edp
+        assert got["keys"] == sorted(["_hp_bound", got["owner_key"], "_hp_watch"]), got["keys"]  # one record
+
+
 def test_lora_on_expert_parameters_is_refused(ready) -> None:
     """PEFT sizes a target_parameters adapter from this rank's expert slice: refused, not trained wrong."""
     pool, root = ready

@@ -21,11 +21,12 @@ def _loaded(rank: int, world: int, path: str, dtype: str) -> dict:
     import transformers
 
     import hp_lazy
-    from hp_lazy.names import LAID_OUT
+    from hp_lazy.runtime import record
 
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
-    laid_out = model.__dict__.get(LAID_OUT)
-    table = laid_out.table if laid_out is not None else None
+    laid_out = record.of(model)  # laid out at load, bound at the first forward
+    assert laid_out is not None and not laid_out.bound
+    table = laid_out.table
     params = dict(model.named_parameters(remove_duplicate=False))
     shards = {name: params[name].detach().clone() for name in (table or ())}
     oversized = {
@@ -180,7 +181,7 @@ def _vl_shards(rank: int, world: int, path: str, keep_transformers_transpose: bo
 
     import transformers
 
-    from hp_lazy.names import LAID_OUT
+    from hp_lazy.runtime import record
     from hp_lazy.runtime.checkpoint import convert
 
     original = convert.local_transpose
@@ -192,7 +193,7 @@ def _vl_shards(rank: int, world: int, path: str, keep_transformers_transpose: bo
         return {"error": f"{type(error).__name__}: {error}"}
     finally:
         convert.local_transpose = original
-    table = model.__dict__[LAID_OUT].table
+    table = record.of(model).table
     params = dict(model.named_parameters())
     return {"shards": {n: params[n].detach().clone() for n in table if ".experts." in n},
             "layouts": {n: table.get(n) for n in table if ".experts." in n}}

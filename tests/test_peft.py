@@ -182,10 +182,10 @@ def _attributes(rank: int, world: int, path: str) -> list[str]:
     from torch import nn
 
     import hp_lazy
-    from hp_lazy.runtime.layout import table_of
+    from hp_lazy.runtime import record
 
     model = hp_lazy.parallelize(parity._load(path))
-    table = table_of(model)
+    table = record.of(model).table
     checked = []
     for name, module in model.named_modules():
         layout = table.get(f"{name}.weight")

@@ -43,11 +43,12 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from hp_lazy.errors import ShardingError
-from hp_lazy.names import GRADS_ATTR, PATCHED
+from hp_lazy.names import PATCHED
 from hp_lazy.runtime import clip, registry
-from hp_lazy.runtime.bind import parallelize
 from hp_lazy.runtime.grads import no_sync as hp_no_sync
+from hp_lazy.runtime.grads import owner_of
 from hp_lazy.runtime.mesh import get_mesh
+from hp_lazy.runtime.owner import parallelize
 
 Degrees = Callable[[], "Mapping[str, int] | None"]
 _REFUSED = ("FSDP", "DEEPSPEED", "MEGATRON_LM", "XLA")
@@ -69,7 +70,7 @@ def install(module: ModuleType, degrees: Degrees) -> None:
 
 def _owner_root(model: nn.Module) -> nn.Module | None:
     """The model hp_lazy bound inside ``model`` (DDP or PEFT around it), if any."""
-    return next((m for m in model.modules() if GRADS_ATTR in m.__dict__), None)
+    return next((m for m in model.modules() if owner_of(m) is not None), None)
 
 
 def lowered(model: nn.Module) -> bool:
@@ -107,7 +108,8 @@ def _refuse_plugins(accelerator: Any, model: nn.Module) -> None:
 
 def _ddp_over_dp(accelerator: Any, prepared: nn.Module, root: nn.Module) -> nn.Module:
     """DDP over the dp group when the user handed dp to torch (``data_parallel=False``)."""
-    owner = root.__dict__[GRADS_ATTR]
+    owner = owner_of(root)
+    assert owner is not None  # the root hp_lazy bound
     dp = owner.mesh.group("dp")
     if owner.data_parallel or dp.size == 1:
         return prepared

@@ -88,7 +88,7 @@ def _num_parameters(stock: Callable[..., int]) -> Callable[..., int]:
 
     @functools.wraps(stock)
     def num_parameters(self: Any, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
-        from hp_lazy.runtime.layout import unsharded_extra
+        from hp_lazy.runtime.record import unsharded_extra
 
         count = stock(self, only_trainable=only_trainable, exclude_embeddings=exclude_embeddings)
         return count + unsharded_extra(self, only_trainable=only_trainable, exclude_embeddings=exclude_embeddings)
@@ -101,7 +101,7 @@ def _param_count(stock: Callable[..., int]) -> Callable[..., int]:
 
     @functools.wraps(stock)
     def get_model_param_count(model: Any, trainable_only: bool = False) -> int:
-        from hp_lazy.runtime.layout import unsharded_extra
+        from hp_lazy.runtime.record import unsharded_extra
 
         return stock(model, trainable_only=trainable_only) + unsharded_extra(model, only_trainable=trainable_only)
 

@@ -24,7 +24,7 @@ and the base weight too for a targeted head PEFT saves with the adapter (``lm_he
 Other base weights stay local in ``state_dict()`` (``hp_lazy.full_state_dict`` gathers them and
 takes full entries as they are).
 
-When PEFT runs after binding, the model is re-bound before its next forward (``bind.refresh``; a
+When PEFT runs after binding, the model is re-bound before its next forward (``owner.refresh``; a
 replaced submodule marks the model dirty), outside any ``torch.compile`` trace (the root's
 lazy-module hook). ``lora_dropout`` on a rowwise base draws one process's mask for the full
 input and keeps this rank's columns (on a colwise base the input is replicated: torch's own

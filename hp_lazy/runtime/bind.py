@@ -1,43 +1,36 @@
-"""The walker: match -> validate -> partition -> bind -> check, then the gradient owner.
+"""The walker: match -> validate -> partition -> bind -> check.
 
-``parallelize(model)`` walks the model once. For every instance of a lowered root class it
-matches each module FQN against the contracts of the plan slice the class was lowered under,
-asks each axis's style (:mod:`hp_lazy.runtime.style`) to validate, lays every planned parameter
-out on every axis (:mod:`hp_lazy.runtime.layout`) and shards it in place, compiles the entry/exit
-ops, sets ``module._hp_b`` on lowered instances or installs a leaf forward on torch modules, and
-lets the styles set their gradient and loss policy. Then one :class:`~hp_lazy.runtime.grads.GradOwner`
-takes every parameter of ``model``. Lowered root classes call it from their forward, so after
-``activate`` a model runs in parallel with no further call.
-
-A bound model is watched: replacing one of its submodules (PEFT wrapping a planned Linear,
-``merge_and_unload`` putting it back, transformers replacing a resized head) marks it dirty, and
-:func:`refresh` binds what changed before the next forward (or at ``parallelize``).
+:func:`bind_layout` walks a model once. For every instance of a lowered root class it matches
+each module FQN against the contracts of the plan slice the class was lowered under, asks each
+axis's style (:mod:`hp_lazy.runtime.style`) to validate, lays every planned parameter out on every
+axis (:mod:`hp_lazy.runtime.layout`) and shards it in place, compiles the entry/exit ops, sets
+``module._hp_b`` on lowered instances or installs a leaf forward on torch modules, and lets the
+styles mark their partial sums and set their loss policy. It returns the model's
+:class:`~hp_lazy.runtime.record.BoundModel`; the lifecycle around it (the gradient owner, the
+state-dict face, refreshing after a change) is :mod:`hp_lazy.runtime.owner`'s.
 """
 
 from __future__ import annotations
 
 import re
-import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
 from torch import nn
-from torch.nn.modules.module import register_module_module_registration_hook
 
 from hp_lazy.errors import ShardingError
-from hp_lazy.names import BINDING, BOUND, FORM, GRADS_ATTR, LAID_OUT, LAYOUT_ATTR, WATCH
+from hp_lazy.names import BINDING, FORM
 from hp_lazy.plan.fqn import compile_glob
 from hp_lazy.plan.model import Contract, ModulePlan
 from hp_lazy.plan.placement import Partial, Shard
-from hp_lazy.runtime import adapters, clip, inputs, leaves, options, registry
+from hp_lazy.runtime import adapters, leaves, registry
 from hp_lazy.runtime.binding import Binding, compile_ops
 from hp_lazy.runtime.cp.style import ContextParallelStyle
 from hp_lazy.runtime.ep.style import ExpertParallelStyle
-from hp_lazy.runtime.grads import GradOwner, rules_for
 from hp_lazy.runtime.layout import LayoutTable, ParamLayout, plan_layout, shard_in_place
 from hp_lazy.runtime.mesh import Mesh, get_mesh
+from hp_lazy.runtime.record import BoundModel
 from hp_lazy.runtime.sp.stack import install_stack
 from hp_lazy.runtime.style import (
     BindContext,
@@ -46,92 +39,18 @@ from hp_lazy.runtime.style import (
     get_param,
     params_matching,
 )
-from hp_lazy.runtime.tp import logprobs
 from hp_lazy.runtime.tp.style import TensorParallelStyle
 
-__all__ = ["STYLES", "parallelize", "refresh"]
+__all__ = ["STYLES", "bind_layout", "outermost_roots", "tied_to_a_shard"]
 
 STYLES: dict[str, type] = {"tp": TensorParallelStyle, "cp": ContextParallelStyle, "ep": ExpertParallelStyle}
 """Mesh axis -> its parallelism's style (a new parallelism adds its room and one entry here)."""
 
 
-def parallelize(model: nn.Module, *, data_parallel: bool | None = None) -> nn.Module:
-    """Shard ``model`` in place per the active plan, bind its boundaries and give its gradients
-    an owner; idempotent.
-
-    Call it before building DDP/FSDP or an optimizer that inspects shapes; otherwise the first
-    forward of a lowered model does it. ``data_parallel`` overrides ``activate``'s. A model that
-    ``from_pretrained`` loaded shard on read was laid out and bound before its weights were read
-    (:func:`bind_layout`); this call only gives it its gradient owner and state-dict face.
-    """
-    if model.__dict__.get(BOUND):
-        watch = model.__dict__.get(WATCH)
-        if watch is not None and watch.dirty:
-            refresh(model)
-        return model
-    tops = [m for _, m in model.named_modules()
-            if m is not model and (GRADS_ATTR in m.__dict__ or isinstance(m.__dict__.get(LAID_OUT), LaidOut))]
-    owned = {id(p) for top in tops for p in top.parameters()}
-    wrapper = registry.lowered_for(type(model)) is None and all(id(p) in owned for p in model.parameters())
-    if tops and wrapper:  # a plain wrapper (PEFT's PeftModel) of bound or laid-out models, all its parameters theirs
-        for top in tops:
-            parallelize(top)  # re-binds what changed since
-        return model
-    _refuse_bound_inside(model)
-    laid_out = model.__dict__.pop(LAID_OUT, None)
-    if laid_out is None:
-        laid_out = bind_layout(model)
-    elif not isinstance(laid_out, LaidOut):
-        watch = model.__dict__.get(WATCH)
-        top = watch.top() if watch is not None else None
-        if top is not None and top is not model and LAID_OUT in top.__dict__:
-            model.__dict__[LAID_OUT] = laid_out
-            parallelize(top)  # its backbone called first (TRL's fused head runs model.base_model)
-            return model
-        raise ShardingError(
-            f"{type(model).__qualname__}: from_pretrained laid this module out as part of {laid_out} (its "
-            "parameters are already this rank's shards); call parallelize on that top-level model"
-        )
-    else:
-        _check_after_load(model, laid_out.table)
-    watch = model.__dict__.get(WATCH)
-    changed = watch is not None and watch.dirty  # submodules replaced since loading (PEFT applied before the forward)
-    _own_gradients(model, laid_out.mesh, laid_out.partial, data_parallel)
-    for root in laid_out.roots:
-        inputs.install(root, laid_out.mesh.group_of(("cp", "tp")))
-    model.__dict__[LAYOUT_ATTR] = laid_out.table
-    logprobs.register_head(model, laid_out.table)
-    clip.register(model)
-    clip.install()  # torch's clip_grad_norm_ on this model's gradients: one process's norm
-    from hp_lazy.runtime.checkpoint import hooks as checkpoint  # DTensor is imported only when a model binds
-
-    checkpoint.install(model, laid_out.table, laid_out.mesh)
-    for module in model.modules():
-        if registry.lowered_for(type(module)) is not None:
-            module.__dict__[BOUND] = True
-    model.__dict__[BOUND] = True
-    _watch(model)
-    if changed:
-        refresh(model)
-    return model
-
-
-@dataclass(frozen=True)
-class LaidOut:
-    """What binding decided before the gradient owner exists (names only, no Parameter objects)."""
-
-    table: LayoutTable | None
-    mesh: Mesh
-    partial: dict[str, tuple[str, int, int]]
-    roots: tuple[nn.Module, ...] = ()
-    """The outermost lowered roots (each gets the tp group's input check)."""
-
-
-def bind_layout(model: nn.Module) -> LaidOut:
-    """Lay out, shard in place and bind every boundary of ``model`` (a meta model too), without
-    the gradient owner, which holds the Parameter objects (loading replaces them)."""
-    _refuse_bound_inside(model)
-    roots = list(_outermost_roots(model))
+def bind_layout(model: nn.Module) -> BoundModel:
+    """Lay out, shard in place and bind every boundary of ``model`` (a meta model too): its record,
+    without the gradient owner, which holds the Parameter objects (loading replaces them)."""
+    roots = list(outermost_roots(model))
     if not roots:
         raise ShardingError(
             f"{type(model).__qualname__}: no class of this model was lowered by hp_lazy (its module "
@@ -139,106 +58,25 @@ def bind_layout(model: nn.Module) -> LaidOut:
             "importing the modeling module"
         )
     meshes = [get_mesh(dict(lowered.plan.mesh)) for _, _, lowered in roots]  # a collective, once
-    contexts: list[tuple[str, BindContext]] = []
+    contexts: list[tuple[str, BindContext, dict[str, ParallelStyle]]] = []
     failure: BaseException | None = None
     try:
         for (prefix, root, lowered), mesh in zip(roots, meshes, strict=True):
-            contexts.append((prefix, _bind_root(root, lowered, mesh)))
+            contexts.append((prefix, *_bind_root(root, lowered, mesh)))
     except Exception as exc:  # agreed on below, then raised on every rank
         failure = exc
     _agree(model, roots, failure)
     table: LayoutTable | None = None
     partial: dict[str, tuple[str, int, int]] = {}
+    styles: dict[str, ParallelStyle] = {}
     names = {id(p): n for n, p in model.named_parameters()}
-    for prefix, ctx in contexts:
+    for prefix, ctx, used in contexts:
         table = _merge_table(table, ctx, prefix)
         partial.update({names[pid]: rule for pid, rule in ctx.partial.items() if pid in names})
-    return LaidOut(table=table, mesh=meshes[0], partial=partial, roots=tuple(root for _, root, _ in roots))
-
-
-def lay_out_before_load(model: nn.Module) -> LaidOut:
-    """:func:`bind_layout` now, the rest at :func:`parallelize` (from_pretrained's shard-on-read);
-    the lowered modules inside remember whose layout they are part of."""
-    laid_out = model.__dict__[LAID_OUT] = bind_layout(model)
-    for name, module in model.named_modules():
-        if name and registry.lowered_for(type(module)) is not None:
-            module.__dict__[LAID_OUT] = type(model).__qualname__
-    _watch(model)  # a submodule replaced before the first forward (PEFT) is bound then
-    return laid_out
-
-
-def _refuse_bound_inside(model: nn.Module) -> None:
-    bound_inside = [name for name, m in model.named_modules() if name and m.__dict__.get(BOUND)]
-    if bound_inside:
-        raise ShardingError(
-            f"{type(model).__qualname__}: its submodule {bound_inside[0]!r} was bound by an earlier "
-            "hp_lazy.parallelize call, so its parameters already have a gradient owner; call parallelize "
-            "once, on the top-level model (the one whose forward you call)"
-        )
-
-
-class Watch:
-    """Shared by every module of one bound model: ``dirty`` once a submodule is replaced (PEFT
-    wrapping a planned Linear, or ``merge_and_unload`` putting it back)."""
-
-    __slots__ = ("dirty", "top")
-
-    def __init__(self, top: nn.Module) -> None:
-        self.dirty = False
-        self.top = weakref.ref(top)
-
-
-def _watch(model: nn.Module) -> None:
-    global _REGISTRATION_HOOK
-    watch = model.__dict__.get(WATCH) or Watch(model)
-    watch.dirty = False
-    for module in model.modules():
-        module.__dict__[WATCH] = watch
-    if _REGISTRATION_HOOK is None:
-        _REGISTRATION_HOOK = register_module_module_registration_hook(_on_registration)
-
-
-_REGISTRATION_HOOK: object = None
-
-
-def _on_registration(parent: nn.Module, name: str, module: nn.Module | None) -> None:
-    watch = parent.__dict__.get(WATCH)
-    if watch is not None and module is not None:
-        watch.dirty = True
-        for sub in module.modules():
-            sub.__dict__.setdefault(WATCH, watch)
-
-
-def refresh(model: nn.Module) -> None:
-    """Bind what changed under a bound model: a PEFT tuner layer around a planned Linear gets its
-    adapters cut like the base (:mod:`hp_lazy.runtime.adapters`), a bound torch leaf's ops move to
-    the layer that wraps it, every parameter's new name joins the layout table, and the gradient
-    owner is rebuilt for the parameters that are trainable now."""
-    table: LayoutTable = model.__dict__[LAYOUT_ATTR]
-    leaves.move_leaves(model)
-    by_param: dict[int, ParamLayout] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        layout = table.get(name) or table.get(adapters.plain(name))
-        if layout is not None:
-            table.alias(name, layout)
-            by_param[id(param)] = layout
-    bound = [(n, m, b.contract) for n, m in model.named_modules() if isinstance(b := m.__dict__.get(BINDING), Binding)]
-    for fqn, module, _ in bound:
-        adapters.lay_out(fqn, module, table, by_param, table.groups)
-    adapters.refuse_cut_parameter_adapters(model, by_param)
-    _, _, lowered = next(_outermost_roots(model))
-    mesh = get_mesh(dict(lowered.plan.mesh))
-    ctx = BindContext(root=model, plan=lowered.plan, mesh=mesh, groups=table.groups, table=table, bound=bound)
-    ctx.by_param = by_param
-    for axis, group in table.groups.items():
-        if group.size > 1 and axis in STYLES:
-            STYLES[axis]().gradients(ctx)
-    names = {id(p): n for n, p in model.named_parameters()}
-    partial = {names[pid]: rule for pid, rule in ctx.partial.items() if pid in names}
-    old = model.__dict__[GRADS_ATTR]
-    old.close()
-    _own_gradients(model, mesh, partial, old.data_parallel)
-    _watch(model)
+        for axis, style in used.items():
+            styles.setdefault(axis, style)
+    return BoundModel(mesh=meshes[0], table=table, roots=tuple(root for _, root, _ in roots), styles=styles,
+                      partial=partial)
 
 
 def _merge_table(table: LayoutTable | None, ctx: BindContext, prefix: str) -> LayoutTable:
@@ -250,16 +88,7 @@ def _merge_table(table: LayoutTable | None, ctx: BindContext, prefix: str) -> La
     return merged
 
 
-def _own_gradients(
-    model: nn.Module, mesh: Mesh, partial: dict[str, tuple[str, int, int]], data_parallel: bool | None
-) -> None:
-    opts = options.current()
-    dp = opts.data_parallel if data_parallel is None else data_parallel
-    rules = rules_for(model, partial, mesh, data_parallel=dp)
-    model.__dict__[GRADS_ATTR] = GradOwner(model, rules, mesh, data_parallel=dp, bucket_cap_mb=opts.bucket_cap_mb)
-
-
-def _outermost_roots(model: nn.Module) -> Iterator[tuple[str, nn.Module, registry.Lowered]]:
+def outermost_roots(model: nn.Module) -> Iterator[tuple[str, nn.Module, registry.Lowered]]:
     """Instances of lowered root classes that no other such instance contains."""
     taken: list[str] = []
     for name, module in model.named_modules():
@@ -270,8 +99,11 @@ def _outermost_roots(model: nn.Module) -> Iterator[tuple[str, nn.Module, registr
         yield name, module, found[0]
 
 
-def _bind_root(root: nn.Module, lowered: registry.Lowered, mesh: Mesh) -> BindContext:
-    """Everything rank-local of binding one root (no collective: see :func:`_agree`)."""
+def _bind_root(
+    root: nn.Module, lowered: registry.Lowered, mesh: Mesh
+) -> tuple[BindContext, dict[str, ParallelStyle]]:
+    """Everything rank-local of binding one root (no collective: see :func:`_agree`): its context
+    and the style instance of each axis that bound it."""
     plan = lowered.plan
     groups = {axis: mesh.group(axis) for axis in plan.mesh}
     ctx = BindContext(root=root, plan=plan, mesh=mesh, groups=groups, table=LayoutTable(groups))
@@ -281,7 +113,7 @@ def _bind_root(root: nn.Module, lowered: registry.Lowered, mesh: Mesh) -> BindCo
         if hasattr(type(module), FORM) and id(module) not in in_contract:
             setattr(module, BINDING, None)  # a lowered class, used here outside any contract
     if all(group.size == 1 for group in groups.values()):
-        return ctx  # nothing is lowered at degree 1 (identity forms): the model runs as it is
+        return ctx, {}  # nothing is lowered at degree 1 (identity forms): the model runs as it is
     if not ctx.bound:
         names = [n for n, _ in root.named_modules()][1:6]
         raise ShardingError(
@@ -289,7 +121,8 @@ def _bind_root(root: nn.Module, lowered: registry.Lowered, mesh: Mesh) -> BindCo
             f"matches a module of this model (its modules are named like {names}); write the patterns "
             "relative to the top-level model, in an explicit plan for composite models"
         )
-    styles: list[ParallelStyle] = [STYLES[a]() for a, g in groups.items() if g.size > 1 and a in STYLES]
+    used: dict[str, ParallelStyle] = {a: STYLES[a]() for a, g in groups.items() if g.size > 1 and a in STYLES}
+    styles = list(used.values())
     for fqn, module, contract in ctx.bound:
         if all(ctx.groups[axis].size == 1 for axis in contract.axes):  # e.g. tp=1 under cp: runs as written
             for style in styles:
@@ -303,7 +136,7 @@ def _bind_root(root: nn.Module, lowered: registry.Lowered, mesh: Mesh) -> BindCo
         style.finish(ctx)
     _alias_tied(ctx)
     _check_shards_covered(ctx)
-    return ctx
+    return ctx, used
 
 
 def _strip_prefix(root: nn.Module) -> str | None:
@@ -484,40 +317,15 @@ def _check_shards_covered(ctx: BindContext) -> None:
         for pname, param in module.named_parameters(recurse=False):
             layout = ctx.by_param.get(id(param))
             if layout is not None:
-                raise _tied_to_a_shard(f"{name}.{pname}" if name else pname, layout, name or type(ctx.root).__name__)
+                raise tied_to_a_shard(f"{name}.{pname}" if name else pname, layout, name or type(ctx.root).__name__)
 
 
-def _tied_to_a_shard(where: str, layout: ParamLayout, module: str) -> ShardingError:
+def tied_to_a_shard(where: str, layout: ParamLayout, module: str) -> ShardingError:
     return ShardingError(
         f"{where}: this parameter is tied to {layout.fqn}, which the plan shards {layout.describe()}, "
         f"but {module} has no contract; give it one (vocab-parallel embedding: "
         "Plan.auto(vocab_parallel_embedding=True)) or untie the weights"
     )
-
-
-def _check_after_load(model: nn.Module, table: LayoutTable | None) -> None:
-    """A model laid out before its weights were read: loading ties weights afterwards (transformers'
-    ``tie_weights``), so check again that every planned name holds its shard and that no parameter
-    is both planned and not."""
-    names: dict[int, list[str]] = {}
-    params = dict(model.named_parameters(remove_duplicate=False))
-    for name, param in params.items():
-        names.setdefault(id(param), []).append(name)
-    for group in names.values():
-        planned = [n for n in group if table is not None and n in table]
-        if not planned or table is None:
-            continue
-        layout = table.get(planned[0])
-        assert layout is not None
-        plain = [n for n in group if n not in planned]
-        if plain:
-            raise _tied_to_a_shard(plain[0], layout, plain[0].rpartition(".")[0] or type(model).__name__)
-        if tuple(params[planned[0]].shape) != layout.local_shape:
-            raise ShardingError(
-                f"{planned[0]}: after loading, the parameter has shape {list(params[planned[0]].shape)}, but its "
-                f"layout holds {list(layout.local_shape)} ({layout.describe()} of {list(layout.full_shape)}); "
-                "do not replace parameters between from_pretrained and the first forward"
-            )
 
 
 def _agree(

@@ -45,10 +45,12 @@ import torch.distributed as dist
 from torch import nn
 
 from hp_lazy.errors import ShardingError
-from hp_lazy.names import GRADS_ATTR
+from hp_lazy.runtime import record
 from hp_lazy.runtime.comm import wire
-from hp_lazy.runtime.layout import ParamLayout, tables
+from hp_lazy.runtime.grads import owner_of
+from hp_lazy.runtime.layout import ParamLayout
 from hp_lazy.runtime.mesh import WORLD_AXES, Mesh
+from hp_lazy.runtime.record import tables
 
 __all__ = ["clip_grad_norm_", "get_total_norm", "install", "register"]
 
@@ -72,7 +74,9 @@ def _known() -> dict[int, _Piece]:
     """id(grad) -> what it is, for every gradient of every bound model."""
     found: dict[int, _Piece] = {}
     for model in list(_MODELS):
-        mesh = model.__dict__[GRADS_ATTR].mesh
+        bound = record.of(model)
+        assert bound is not None  # registered at bind
+        mesh = bound.mesh
         layouts = {prefix + fqn: table.get(fqn) for prefix, table in tables(model) for fqn in table}
         for fqn, param in model.named_parameters():
             if param.grad is not None:
@@ -139,7 +143,7 @@ def clip_grad_norm_(
 
 def _check_reduced(pieces: list[_Piece]) -> None:
     for model in {id(p.model): p.model for p in pieces}.values():
-        owner = model.__dict__.get(GRADS_ATTR)
+        owner = owner_of(model)
         waiting = owner.unreduced() if owner is not None else []
         if waiting:
             raise ShardingError(

@@ -54,7 +54,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from hp_lazy.errors import ShardingError
-from hp_lazy.names import GRADS_ATTR
+from hp_lazy.runtime import record
 from hp_lazy.runtime.comm import wire
 from hp_lazy.runtime.mesh import EDP, Group, Mesh
 
@@ -78,7 +78,8 @@ class GradRule:
 
 
 def owner_of(root: nn.Module) -> GradOwner | None:
-    return root.__dict__.get(GRADS_ATTR)
+    found = record.of(root)
+    return found.grads if found is not None else None
 
 
 @contextlib.contextmanager

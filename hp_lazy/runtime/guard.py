@@ -24,7 +24,8 @@ from typing import Any
 from torch import nn
 
 from hp_lazy.errors import ShardingError
-from hp_lazy.names import LAYOUT_ATTR, ROUTED
+from hp_lazy.names import ROUTED
+from hp_lazy.runtime import record
 
 _HEADS = frozenset({"get_output_embeddings", "get_input_embeddings", "lm_head", "embed_tokens", "embed_out"})
 _VERDICTS: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
@@ -92,7 +93,8 @@ def _codes(function: Any) -> Iterator[types.CodeType]:
 
 def _vocab_cut(top: nn.Module) -> tuple[str, str] | None:
     """The name and cut of ``top``'s output or input embedding weight if the layout table cuts it."""
-    table = top.__dict__.get(LAYOUT_ATTR)
+    bound = record.of(top)
+    table = bound.table if bound is not None else None
     if table is None:
         return None
     for getter in ("get_output_embeddings", "get_input_embeddings"):

@@ -11,7 +11,7 @@ how many pieces, and which piece this rank holds. Axes are applied outermost fir
     Shard(d), replicas=m             -> [.., D*m/n, ..]     chunk r//m of n/m (K/V heads kept
                                                             on m ranks when tp > kv heads)
 
-The table lives on the bound root module (``LAYOUT_ATTR``) and names parameters, never holds
+The table lives in the bound model's record (:mod:`hp_lazy.runtime.record`) and names parameters, never holds
 them, so it survives FSDP2 swapping the ``nn.Parameter`` objects; ``full_state_dict`` /
 ``full_grads`` and the gradient owner read it. Sharding replaces ``param.data`` in place by a
 tensor that owns its storage (no view keeps the full tensor alive), so an optimizer built before
@@ -20,7 +20,6 @@ sharding keeps valid references.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 
@@ -28,7 +27,6 @@ import torch
 from torch import nn
 
 from hp_lazy.errors import ShardingError
-from hp_lazy.names import LAYOUT_ATTR
 from hp_lazy.plan.placement import Placement, Shard
 from hp_lazy.runtime.comm import wire
 from hp_lazy.runtime.mesh import Group
@@ -203,34 +201,3 @@ def shard_in_place(param: nn.Parameter, layout: ParamLayout) -> None:
         )
     with torch.no_grad():
         param.data = layout.local(param.data)
-
-
-def table_of(module: nn.Module) -> LayoutTable | None:
-    return module.__dict__.get(LAYOUT_ATTR)
-
-
-def tables(model: nn.Module) -> Iterator[tuple[str, LayoutTable]]:
-    """``(prefix, table)`` for every bound root inside ``model`` (``model`` itself, or wrapped in
-    DDP/a composite model: the prefix is the root's module path plus a dot)."""
-    for name, module in model.named_modules():
-        table = table_of(module)
-        if table is not None:
-            yield (name + "." if name else ""), table
-
-
-def unsharded_extra(model: nn.Module, *, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
-    """Elements the parameters of ``model`` hold on one process beyond this rank's shards (0 for a
-    model hp_lazy did not bind): added to a count over ``model.parameters()`` it gives one
-    process's count (``num_parameters``, the Trainer's logged parameter count)."""
-    found = list(tables(model))
-    if not found:
-        return 0
-    embeddings = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, nn.Embedding)}
-    extra = 0
-    for name, param in model.named_parameters():
-        if (only_trainable and not param.requires_grad) or (exclude_embeddings and name in embeddings):
-            continue
-        layout = next((t.get(name[len(p):]) for p, t in found if name.startswith(p) and name[len(p):] in t), None)
-        if layout is not None:
-            extra += math.prod(layout.full_shape) - param.numel()
-    return extra

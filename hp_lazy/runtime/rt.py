@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from hp_lazy.errors import ShardingError
-from hp_lazy.names import BOUND, CP_ENTRY, GRADS_ATTR, INPUT_CHECK, LAZY_HOOK, LAZY_INIT, WATCH
-from hp_lazy.runtime import guard
+from hp_lazy.names import BOUND, CP_ENTRY, INPUT_CHECK, LAID_OUT, LAZY_HOOK, LAZY_INIT, WATCH
+from hp_lazy.runtime import guard, record
 from hp_lazy.runtime.binding import Binding, CallContext, add_deferred_bias
 from hp_lazy.runtime.comm import (
     all_to_all,
@@ -27,6 +27,7 @@ from hp_lazy.runtime.comm import (
     reduce_scatter_to,
     scatter_to,
 )
+from hp_lazy.runtime.grads import owner_of
 
 __all__ = [
     "add_deferred_bias",
@@ -79,18 +80,19 @@ def ensure_parallel(module: nn.Module, inputs: Mapping[str, Any] | None = None) 
     of a forward are exactly its arguments) go to the tp group's input check.
     """
     if BOUND not in module.__dict__:
-        from hp_lazy.runtime.bind import parallelize
+        from hp_lazy.runtime.owner import parallelize
 
-        parallelize(module)
+        top = record.top_of(module) if LAID_OUT in module.__dict__ else None
+        parallelize(top if top is not None else module)  # a backbone run first (TRL's fused head) binds its model
     watch = module.__dict__.get(WATCH)
     if watch is not None and watch.dirty:  # PEFT wrapped (or unwrapped) a planned Linear since binding
-        from hp_lazy.runtime.bind import refresh
+        from hp_lazy.runtime.owner import refresh
 
         refresh(watch.top())
     top = watch.top() if watch is not None else None
     if top is not None and "forward" in top.__dict__:  # someone replaced the model's forward
         guard.check(top)
-    owner = module.__dict__.get(GRADS_ATTR)
+    owner = owner_of(module)
     if owner is not None:
         owner.check(module)
     check = module.__dict__.get(INPUT_CHECK)

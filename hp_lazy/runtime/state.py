@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from hp_lazy.errors import ShardingError
-from hp_lazy.names import GRADS_ATTR
-from hp_lazy.runtime.layout import LayoutTable, ParamLayout, tables
+from hp_lazy.runtime.layout import LayoutTable, ParamLayout
 from hp_lazy.runtime.mesh import check_arrival
+from hp_lazy.runtime.record import records, tables
 
 
 def _layouts(model: nn.Module) -> tuple[dict[str, ParamLayout], LayoutTable | None]:
@@ -71,9 +71,9 @@ def full_weights(model: nn.Module, bucket_bytes: int) -> Iterator[list[tuple[str
         raise ShardingError(f"hp_lazy.full_weights: bucket_mb must be positive, got {bucket_bytes} bytes")
     from hp_lazy.runtime.checkpoint.hooks import local_shards  # imported once a model is bound
 
-    owner = next((m.__dict__[GRADS_ATTR] for m in model.modules() if GRADS_ATTR in m.__dict__), None)
-    if owner is not None:
-        check_arrival(owner.mesh, "hp_lazy.full_weights", "iterate it on every rank (each gathers its shards); "
+    bound = next((found for _, found in records(model)), None)
+    if bound is not None:
+        check_arrival(bound.mesh, "hp_lazy.full_weights", "iterate it on every rank (each gathers its shards); "
                       "keep or send the tensors on one rank only")
     layouts, table = _layouts(model)
     with local_shards():

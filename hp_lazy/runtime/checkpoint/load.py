@@ -5,7 +5,7 @@ transformers builds the model on the meta device, then ``PreTrainedModel._load_p
 opens the safetensors files lazily (``get_slice``) and, for a parameter that is a DTensor, reads only
 the local slice of it (``DtensorShardOperation``: contiguous, strided for packed blocks, per expert)
 and installs it as a DTensor Parameter. hp_lazy wraps that one static method: before it runs, the
-meta model is laid out and bound (:func:`~hp_lazy.runtime.bind.lay_out_before_load`; parameters
+meta model is laid out and bound (:func:`~hp_lazy.runtime.owner.lay_out_before_load`; parameters
 shrink to their local shapes, still on meta) and every planned parameter is presented as a meta
 DTensor of its full shape (:mod:`.present`); after it, every DTensor Parameter is replaced by a
 plain Parameter of its local tensor, in a storage of its own (a slice of a memory-mapped file can be
@@ -35,8 +35,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from hp_lazy.names import LAID_OUT
-from hp_lazy.runtime import registry
+from hp_lazy.runtime import record, registry
 from hp_lazy.runtime.checkpoint import convert
 from hp_lazy.runtime.layout import ParamLayout
 
@@ -88,8 +87,8 @@ def _present_meta(model: nn.Module, mapping: Any) -> dict[str, ParamLayout]:
     """Every planned parameter as a meta DTensor of its full shape (read in slices), except those
     a weight conversion builds from other tensors (:func:`convert.rebuilt`): a full-shape meta
     tensor, read whole and sliced after the load. Returns the latter's layouts by name."""
-    from hp_lazy.runtime.bind import lay_out_before_load
     from hp_lazy.runtime.checkpoint.present import Presentation
+    from hp_lazy.runtime.owner import lay_out_before_load
 
     laid_out = lay_out_before_load(model)  # a collective (ranks agree, sub-meshes)
     if laid_out.table is None or not any(True for _ in laid_out.table):
@@ -118,11 +117,10 @@ def _give_state_dict_face(model: nn.Module) -> None:
     """The loaded model's ``state_dict`` / ``load_state_dict`` face now, not at its first forward: a
     full state dict loaded into it (the Trainer's ``resume_from_checkpoint``) is sliced, not refused
     for its shapes."""
-    from hp_lazy.runtime.bind import LaidOut
     from hp_lazy.runtime.checkpoint import hooks
 
-    laid_out = model.__dict__.get(LAID_OUT)
-    if isinstance(laid_out, LaidOut):
+    laid_out = record.of(model)
+    if laid_out is not None:
         hooks.install(model, laid_out.table, laid_out.mesh)
 
 

@@ -20,7 +20,8 @@ from typing import Any
 from torch import nn
 
 from hp_lazy.errors import ShardingError
-from hp_lazy.names import LAYOUT_ATTR, LEAF, VOCAB_RANGE, WATCH
+from hp_lazy.names import LEAF, VOCAB_RANGE, WATCH
+from hp_lazy.runtime import record
 from hp_lazy.runtime.layout import LayoutTable, ParamLayout, shard_in_place
 from hp_lazy.runtime.leaves import wrap_forward
 from hp_lazy.runtime.tp.embedding import global_padding_idx, set_vocab_range
@@ -43,7 +44,8 @@ def _sharded_heads(model: nn.Module, table: LayoutTable) -> list[tuple[Any, list
 
 def resize_sharded(model: nn.Module, resize: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     """``resize(model, *args, **kwargs)`` (transformers' own) on the full weights, then re-cut."""
-    table: LayoutTable | None = model.__dict__.get(LAYOUT_ATTR)
+    bound = record.of(model)
+    table: LayoutTable | None = bound.table if bound is not None else None
     heads = _sharded_heads(model, table) if table is not None else []
     rows = _new_rows(resize, args, kwargs)
     if table is None or not heads or rows is None:
