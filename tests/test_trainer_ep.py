@@ -53,6 +53,22 @@ def test_trainer_resumes_under_ep(ready, tmp_path, optim: str) -> None:
     assert lost > 1e-4  # transformers' resume of this MoE, one process: the experts are not restored
 
 
+@pytest.mark.parametrize("optim", ["sgd", "adamw_torch"])
+def test_trainer_resumes_a_one_process_checkpoint_under_ep(ready, tmp_path, optim: str) -> None:
+    """A checkpoint one process wrote (whole optimizer states in optimizer.pt) resumed at ep=2: each
+    rank keeps its expert slices' states; against one process resuming the same checkpoint."""
+    pool, path = ready
+    ref_run = trainwork.trainer_resume(0, 1, path, str(tmp_path / "ref"), optim=optim)
+    assert "optimizer.pt" in ref_run["files"]
+    checkpoint = str(tmp_path / "ref" / "checkpoint-2")
+    ref = trainwork.trainer_resume_only(0, 1, path, checkpoint, str(tmp_path / "one"), optim=optim)
+    got = pool.run(trainwork.trainer_resume_only, path, checkpoint, str(tmp_path / "hp"), optim=optim)
+    tol = trainwork.TOL[optim]
+    assert models.rel_err(got[0]["loss"], ref["loss"]) <= tol
+    errors = {n: models.rel_err(got[0]["state"][n], v) for n, v in ref["state"].items()}
+    assert max(errors.values()) <= tol, sorted(errors.items(), key=lambda e: -e[1])[:3]
+
+
 def test_trainer_under_ep_gpt_oss(ready, tmp_path) -> None:
     """The Trainer (clipping on, SGD) on GPT-OSS under ep: experts with biases, called with
     (hidden_states, router_indices, routing_weights), through the user's stack."""
