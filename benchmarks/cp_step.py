@@ -20,6 +20,7 @@ torch's own ``context_parallel`` needs the flash/efficient SDPA kernels (CUDA) a
 
     python benchmarks/cp_step.py                      # S = 2k, 4k, 8k at cp=2 (a few minutes, 2 cores)
     python benchmarks/cp_step.py --seqs 1024,2048 --repeats 1
+    python benchmarks/cp_step.py --smoke              # S = 64, one repeat of one step: does every variant run?
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ import sys
 import tempfile
 import time
 from typing import Any
+
+from _spawn import collect
 
 VARIANTS = ("one process", "cp", "cp ulysses", "cp, K/V saved")
 
@@ -48,7 +51,11 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=512)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--repeats", type=int, default=2)
-    return p.parse_args(argv)
+    p.add_argument("--smoke", action="store_true", help="tiny sizes, one repeat of one step (overrides the sizes)")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.seqs, args.hidden, args.layers, args.steps, args.repeats = "64", 32, 1, 1, 1
+    return args
 
 
 def _build(args: argparse.Namespace, root: str, seq: int) -> str:
@@ -107,14 +114,14 @@ def _keep_gathered() -> None:
     from hp_lazy.runtime.cp import attention
     from hp_lazy.runtime.cp.state import current
 
-    def apply(q, k, v, mask, scale, g):
-        kg, vg = gather_kv(k, v, g, 2)
+    def apply(q, k, v, mask, scale, g, whole):  # _GatheredAttention.apply's arguments
+        kg, vg = (k, v) if whole else gather_kv(k, v, g, 2)
         return attention._attend(q, kg, vg, mask, scale)
 
-    def causal(q, k, v, scale, g, zig):
+    def causal(q, k, v, scale, g, zig, whole):  # _ZigzagCausal.apply's arguments
         state = current()
         assert state is not None
-        return apply(q, k, v, state.mask(True, None), scale, g)
+        return apply(q, k, v, state.mask(True, None), scale, g, whole)
 
     attention._GatheredAttention.apply = staticmethod(apply)  # type: ignore[method-assign]
     attention._ZigzagCausal.apply = staticmethod(causal)  # type: ignore[method-assign]
@@ -164,7 +171,7 @@ def _launch(args: argparse.Namespace, variant: str, path: str, seq: int) -> tupl
              for r in range(ranks)]
     for p in procs:
         p.start()
-    results = dict(queue.get(timeout=3600) for _ in procs)
+    results = collect(procs, queue, f"{variant} at S={seq}")
     for p in procs:
         p.join()
     return results[0]

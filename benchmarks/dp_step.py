@@ -18,6 +18,7 @@ relative gradient difference between hp_lazy and DDP after one backward (they mu
 
     python benchmarks/dp_step.py                       # world 2, ~25M params, 20 rounds (~2 min, 2 cores)
     python benchmarks/dp_step.py --world 4 --hidden 256 --layers 4 --rounds 30
+    python benchmarks/dp_step.py --smoke               # tiny, one round: does every variant run?
 """
 
 from __future__ import annotations
@@ -46,7 +47,12 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--bucket-mb", type=float, default=25.0)
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
-    return p.parse_args(argv)
+    p.add_argument("--smoke", action="store_true", help="tiny sizes, one round, one warm-up (overrides the sizes)")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.hidden, args.layers, args.vocab, args.batch, args.seq = 32, 1, 256, 1, 16
+        args.rounds, args.warmup, args.bucket_mb = 1, 1, 0.01
+    return args
 
 
 def _build(args: argparse.Namespace, root: str) -> str:
@@ -140,6 +146,7 @@ def _worker(rank: int, args: argparse.Namespace, path: str, port: int, queue: An
 
     torch.set_num_threads(args.threads)
     import hp_lazy
+    from hp_lazy.runtime.grads import owner_of
 
     hp_lazy.activate("auto", tp=1, bucket_cap_mb=args.bucket_mb)
     from torch.nn.parallel import DistributedDataParallel
@@ -162,7 +169,7 @@ def _worker(rank: int, args: argparse.Namespace, path: str, port: int, queue: An
         for name in order:
             rounds[name].append(tuple(_slowest(list(_step(models[name], ids)))))  # type: ignore[arg-type]
     comm = _comm_alone(models["local"], args.bucket_mb)
-    owner = models["hp_lazy"].__dict__["_hp_grads"]
+    owner = owner_of(models["hp_lazy"])
     agreement = _grad_agreement(models, ids)
     if rank == 0:
         params = sum(p.numel() for p in models["local"].parameters())

@@ -37,6 +37,7 @@ it sends to other ranks; ``CollectiveCounter.payload``) and the expert parameter
 
     python benchmarks/ep_step.py                       # a few minutes on 2 cores
     python benchmarks/ep_step.py --repeats 1 --steps 2
+    python benchmarks/ep_step.py --smoke               # tiny, one repeat of one step: does every variant run?
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ import sys
 import tempfile
 import time
 from typing import Any
+
+from _spawn import collect
 
 VARIANTS = ("one process", "ep", "experts-TP", "transformers ep_plan")
 SPLIT = ("ep", "transformers ep_plan")  # variants where every rank feeds its batch / W rows
@@ -65,7 +68,12 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--repeats", type=int, default=2)
-    return p.parse_args(argv)
+    p.add_argument("--smoke", action="store_true", help="tiny sizes, one repeat of one step (overrides the sizes)")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.hidden, args.experts, args.expert_size, args.layers = 32, 4, 32, 1
+        args.batch, args.seq, args.steps, args.repeats = 2, 16, 1, 1
+    return args
 
 
 def _build(args: argparse.Namespace, root: str) -> str:
@@ -178,7 +186,7 @@ def _launch(args: argparse.Namespace, variant: str, path: str) -> tuple[float, d
     procs = [ctx.Process(target=_worker, args=(r, args.world, variant, path, args, port, queue)) for r in range(ranks)]
     for p in procs:
         p.start()
-    results = dict(queue.get(timeout=3600) for _ in procs)
+    results = collect(procs, queue, variant)
     for p in procs:
         p.join()
     return results[0]

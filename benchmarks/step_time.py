@@ -31,6 +31,7 @@ relative gradient error (max over parameters of max|dg| / max|g_ref|) against th
     python benchmarks/step_time.py --models medium --rounds 10 --variants hp_lazy,bare_tp
     python benchmarks/step_time.py --models tiny --world 2 --profile hp_lazy   # + cProfile of 5 steps, rank 0
     python benchmarks/step_time.py --models tiny --world 2 --compile inductor --variants hp_lazy,hf_tp,bare_tp
+    python benchmarks/step_time.py --smoke      # the tiny model on 2 ranks, one round: does every variant run?
 
 ``--compile BACKEND``: every variant's model (the plain reference too) runs under
 ``torch.compile(model, backend=BACKEND)`` after it is loaded and bound; collectives are counted and
@@ -551,7 +552,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", help="also write the markdown tables to this file")
     ap.add_argument("--hp-embedding", choices=("vocab", "replicated"), default="vocab",
                     help="hp_lazy's embed_tokens: vocab-parallel (default, like tp_plan) or replicated (like bare_tp)")
+    ap.add_argument("--smoke", action="store_true", help="the tiny model on 2 ranks, one round, no warm-up")
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.models, args.world, args.rounds, args.warmup, args.timeout = "tiny", "2", 1, 0, 300
     os.environ["HP_LAZY_BENCH_EMBEDDING"] = args.hp_embedding
     variants = ["ref_solo"] + [v for v in args.variants.split(",") if v and v != "ref_solo"]
     unknown = sorted(set(variants) - set(ALL_VARIANTS))

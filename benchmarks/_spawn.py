@@ -1,0 +1,27 @@
+"""Results from spawned benchmark ranks without hanging on a rank that died."""
+
+from __future__ import annotations
+
+import queue as queues
+import time
+from typing import Any
+
+
+def collect(procs: list[Any], queue: Any, what: str, timeout: float = 3600) -> dict[int, Any]:
+    """Every rank's ``(rank, result)`` from ``queue``; raises, killing the others, as soon as a rank has
+    exited with an error (its traceback is on stderr) or after ``timeout`` seconds."""
+    results: dict[int, Any] = {}
+    start = time.perf_counter()
+    while len(results) < len(procs):
+        try:
+            rank, value = queue.get(timeout=2)
+            results[rank] = value
+        except queues.Empty:
+            failed = any(p.exitcode not in (None, 0) for p in procs)
+            if failed or time.perf_counter() - start > timeout:
+                for p in procs:
+                    if p.is_alive():
+                        p.kill()
+                raise RuntimeError(f"{what}: a rank failed or timed out (exit codes {[p.exitcode for p in procs]}); "
+                                   "its traceback is above") from None
+    return results

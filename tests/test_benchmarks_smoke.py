@@ -1,0 +1,75 @@
+"""Every benchmark's ``--smoke`` mode runs to the end on the CPU and its table holds real rows.
+
+The benchmarks are run rarely and by hand (``device_check.py`` once, on a borrowed GPU): a script that
+crashes on main (``cp_step.py``'s "K/V saved" variant did, patching a changed signature) is found here.
+Each runs in a fresh interpreter (hp_lazy rewrites modeling modules at import), tiny sizes, one round.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run(script: str, tmp_path: Path, *args: str) -> str:
+    env = dict(os.environ, HP_LAZY_CACHE_DIR=str(tmp_path / "hp_cache"), TOKENIZERS_PARALLELISM="false",
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--smoke", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, f"{script} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return proc.stdout
+
+
+def _rows(table: str) -> list[list[str]]:
+    """The cells of every markdown table row that is not a header or a rule."""
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in table.splitlines()
+            if line.startswith("|") and not line.startswith("|---")]
+    return [r for r in rows if r[0] not in ("check", "variant", "S")]
+
+
+def test_device_check_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "device_check.md"
+    _run("device_check.py", tmp_path, "--out", str(out))
+    rows = _rows(out.read_text())
+    bad = [r for r in rows if re.match(r"(error|skipped)", r[2])]
+    assert not bad, bad
+    cases = {(r[0], r[1].split(" ")[0]) for r in rows}
+    assert cases == {(check, case) for check in ("step time", "parity bfloat16", "parity float32", "graph breaks")
+                     for case in ("tp=1", "cp=1", "ep=1")} | {("cp attention", "S=64"), ("cp attention", "S=128")}
+    for r in rows:
+        if r[0] == "step time":
+            assert re.match(r"\d+\.\d{3}x \((ok|over) vs <= 1.02x\)", r[2]), r
+            assert "through the hook" in r[3] and "NOT through" not in r[3], r  # the hp_lazy variant is hp_lazy's
+        if r[0] == "parity float32":  # world 1 runs the same kernels as plain transformers
+            loss, logits = map(float, re.fullmatch(r"loss rel (\S+), logits max rel (\S+)", r[2]).groups())
+            assert loss <= 1e-6 and logits <= 1e-6, r
+        if r[0] == "graph breaks":
+            hp, plain = map(int, re.fullmatch(r"hp_lazy (\d+), plain (\d+)", r[2]).groups())
+            assert hp == plain, r
+        if r[0] == "cp attention":  # on the CPU causal attention is two flash calls per chunk: no S x S mask
+            assert "[S/C x S] tensors: 0 " in r[2] and "_scaled_dot_product_flash_attention_for_cpu" in r[3], r
+
+
+@pytest.mark.parametrize("script, variants", [
+    ("cp_step.py", ("one process", "cp", "cp ulysses", "cp, K/V saved")),
+    ("ep_step.py", ("one process", "ep", "experts-TP", "transformers ep_plan")),
+    ("step_time.py", ("ref_solo", "ref_both", "hp_lazy", "hf_tp", "dtensor_tp", "bare_tp")),
+    ("dp_step.py", ("hp_lazy", "ddp", "local")),
+])
+def test_benchmark_smoke(script: str, variants: tuple[str, ...], tmp_path: Path) -> None:
+    rows = _rows(_run(script, tmp_path))
+    named = [r for r in rows if any(c in variants for c in r[:2])]
+    found = [next(c for c in r[:2] if c in variants) for r in named]
+    assert sorted(found) == sorted(variants), rows
+    assert all(re.fullmatch(r"[\d.]+", c) for r in named for c in r[2:3] if script != "step_time.py"), named
+    if script == "step_time.py":
+        assert all(re.match(r"[\d.]+ / [\d.]+", r[1]) for r in named), named  # a time, not "skipped: ..."
+    if script == "ep_step.py":  # the step's loss against one process's
+        assert all(float(r[3]) <= 1e-4 for r in named), named
