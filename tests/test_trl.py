@@ -17,14 +17,6 @@ from dist import DistPool, pool_fixture
 pytest.importorskip("trl")
 
 pool2 = pool_fixture(2, timeout=240)
-_REFS: dict[tuple, dict] = {}
-
-
-def _reference(fn, *args, **kwargs) -> dict:
-    key = (fn.__name__, args, tuple(sorted(kwargs.items())))
-    if key not in _REFS:
-        _REFS[key] = fn(0, 1, *args, **kwargs)
-    return _REFS[key]
 
 
 @pytest.fixture
@@ -36,7 +28,7 @@ def pool(pool2: DistPool) -> DistPool:
                          ids=["plain", "packing", "completion_only"])
 def test_sft_trainer(pool: DistPool, refs, tmp_path, variant: dict) -> None:
     path, _ = refs("llama")
-    ref = _reference(trlwork.sft, path, str(tmp_path / "ref"), **variant)
+    ref = trlwork.sft(0, 1, path, str(tmp_path / "ref"), **variant)
     assert ref["loss"][0] > math.log(models.VOCAB) - 0.1  # a softmax over the whole vocabulary
     got = pool.run(trlwork.sft, path, str(tmp_path / "hp"), **variant)
     trlwork.compare(got[0], ref)
@@ -45,14 +37,14 @@ def test_sft_trainer(pool: DistPool, refs, tmp_path, variant: dict) -> None:
 
 def test_sft_trainer_adamw(pool: DistPool, refs, tmp_path) -> None:
     path, _ = refs("llama")
-    ref = _reference(trlwork.sft, path, str(tmp_path / "ref"), optim="adamw_torch")
+    ref = trlwork.sft(0, 1, path, str(tmp_path / "ref"), optim="adamw_torch")
     trlwork.compare(pool.run(trlwork.sft, path, str(tmp_path / "hp"), optim="adamw_torch")[0], ref, tol=1e-4)
 
 
 def test_stock_kernel_on_the_shard_is_wrong(pool: DistPool, refs, tmp_path) -> None:
     """Negative control: without hp_lazy's dispatcher, TRL takes a softmax over V/2 words."""
     path, _ = refs("llama")
-    ref = _reference(trlwork.sft, path, str(tmp_path / "ref"))
+    ref = trlwork.sft(0, 1, path, str(tmp_path / "ref"))
     got = pool.run(trlwork.stock_sft, path, str(tmp_path / "stock"))
     assert abs(float(got[0]["loss"][0]) - math.log(models.VOCAB / 2)) < 0.15
     with pytest.raises(AssertionError, match="relative errors above"):
@@ -68,7 +60,7 @@ def test_fused_head_user_loop(pool: DistPool, refs, knobs: dict) -> None:
     """The fused call is the model's first forward (its backbone binds the whole model)."""
     path, _ = refs("llama")
     ids = models.batch()
-    ref = _reference(trlwork.fused_head, path, ids, **knobs)
+    ref = trlwork.fused_head(0, 1, path, ids, **knobs)
     got = pool.run(trlwork.fused_head, path, ids, **knobs)
     for name, value in ref["fields"].items():
         for rank in got:
@@ -94,6 +86,6 @@ def test_dpo_trainer(pool: DistPool, refs, tmp_path) -> None:
     """DPOTrainer (the reference model loaded by TRL from the checkpoint, bound too): every logged
     number (rewards, log-probs, the fused head's mean logits) and every parameter after 2 steps."""
     path, _ = refs("llama")
-    ref = _reference(trlwork.dpo, path, str(tmp_path / "ref"))
+    ref = trlwork.dpo(0, 1, path, str(tmp_path / "ref"))
     assert float(ref["rewards/accuracies"][-1]) > 0  # the second step sees the first's update
     trlwork.compare_logged(pool.run(trlwork.dpo, path, str(tmp_path / "hp"))[0], ref)

@@ -45,7 +45,6 @@ def sft(rank: int, world: int, path: str, out: str, packing: bool = False, compl
         optim: str = "sgd") -> dict[str, Any]:
     """``SFTTrainer(model=..., args=SFTConfig(...), train_dataset=...).train()``, 3 steps: every rank
     returns the logged loss, grad norm, entropy and token accuracy per step, rank 0 the parameters."""
-    import torch
     from trl import SFTConfig, SFTTrainer
 
     import hp_lazy
@@ -61,12 +60,21 @@ def sft(rank: int, world: int, path: str, out: str, packing: bool = False, compl
         padding_free=False, bf16=False,  # TRL turns bf16 autocast on by default: parity is checked in fp32
     )
     run = SFTTrainer(model=model, args=args, train_dataset=_dataset(completion_only), processing_class=tokenizer())
+    return _trained(rank, run, model, ("loss", "grad_norm", "entropy", "mean_token_accuracy"))
+
+
+def _trained(rank: int, run: Any, model: Any, keys: tuple[str, ...] | None = None) -> dict[str, Any]:
+    """``run.train()``; the logged numbers (``keys``, or every float logged) per step, and on rank 0
+    the parameters (gathered whole under a plan)."""
+    import torch
+
+    import hp_lazy
+    from hp_lazy.api import active_plan
+
     run.train()
     logged = [h for h in run.state.log_history if "loss" in h]
-    result: dict[str, Any] = {
-        key: torch.tensor([h[key] for h in logged], dtype=torch.float64)
-        for key in ("loss", "grad_norm", "entropy", "mean_token_accuracy")
-    }
+    keys = keys or tuple(sorted(k for k in logged[0] if k not in SKIP_LOGGED and isinstance(logged[0][k], float)))
+    result: dict[str, Any] = {k: torch.tensor([h[k] for h in logged], dtype=torch.float64) for k in keys}
     state = hp_lazy.full_state_dict(model) if active_plan() is not None else {
         k: v.detach().clone() for k, v in model.state_dict().items()}
     if rank == 0:
@@ -168,7 +176,6 @@ SKIP_LOGGED = ("learning_rate", "epoch", "step", "num_tokens")
 def dpo(rank: int, world: int, path: str, out: str, pad_to: int | None = None) -> dict[str, Any]:
     """``DPOTrainer(model=..., args=DPOConfig(...), train_dataset=...).train()``, 2 steps (the reference
     model loaded by TRL from the same checkpoint): every logged number per step, rank 0 the parameters."""
-    import torch
     from trl import DPOConfig, DPOTrainer
 
     import hp_lazy
@@ -182,15 +189,7 @@ def dpo(rank: int, world: int, path: str, out: str, pad_to: int | None = None) -
         disable_tqdm=True, bf16=False, seed=0, dataset_num_proc=None, pad_to_multiple_of=pad_to,
     )
     run = DPOTrainer(model=model, args=args, train_dataset=_preferences(), processing_class=tokenizer())
-    run.train()
-    logged = [h for h in run.state.log_history if "loss" in h]
-    keys = sorted(k for k in logged[0] if k not in SKIP_LOGGED and isinstance(logged[0][k], float))
-    result: dict[str, Any] = {k: torch.tensor([h[k] for h in logged], dtype=torch.float64) for k in keys}
-    state = hp_lazy.full_state_dict(model) if active_plan() is not None else {
-        k: v.detach().clone() for k, v in model.state_dict().items()}
-    if rank == 0:
-        result["state"] = state
-    return result
+    return _trained(rank, run, model)
 
 
 def compare_logged(got: dict[str, Any], ref: dict[str, Any], tol: float = 1e-5) -> dict[str, float]:

@@ -51,6 +51,7 @@ _ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 TIMEOUT_ENV = "HP_LAZY_PG_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 600
 ARRIVAL_ENV = "HP_LAZY_ARRIVAL_TIMEOUT_S"
+DEFAULT_ARRIVAL_S = 30
 _MESHES: dict[tuple[tuple[str, int], ...], Mesh] = {}
 
 
@@ -102,17 +103,21 @@ def ensure_process_group(wanted: int = 1) -> int:
 
 def pg_timeout() -> timedelta:
     """The timeout of the process groups hp_lazy creates: ``HP_LAZY_PG_TIMEOUT_S`` seconds."""
-    raw = os.environ.get(TIMEOUT_ENV, "").strip()
+    return _seconds(TIMEOUT_ENV, DEFAULT_TIMEOUT_S)
+
+
+def _seconds(env: str, default: int) -> timedelta:
+    raw = os.environ.get(env, "").strip()
     if not raw:
-        return timedelta(seconds=DEFAULT_TIMEOUT_S)
+        return timedelta(seconds=default)
     try:
         seconds = float(raw)
     except ValueError:
         seconds = -1.0
     if not 0 < seconds < 10**7:
         raise ShardingError(
-            f"hp_lazy: {TIMEOUT_ENV}={raw[:40]!r} is not a positive number of seconds below 10**7; "
-            f"set e.g. {TIMEOUT_ENV}=600 (the default) or unset it"
+            f"hp_lazy: {env}={raw[:40]!r} is not a positive number of seconds below 10**7; "
+            f"set e.g. {env}={default} (the default) or unset it"
         )
     return timedelta(seconds=seconds)
 
@@ -337,16 +342,7 @@ def _build(shape: tuple[tuple[str, int], ...], world: int, ep: int) -> Mesh:
 
 def arrival_timeout() -> timedelta:
     """How long :func:`check_arrival` waits for the other ranks: ``HP_LAZY_ARRIVAL_TIMEOUT_S`` (30) seconds."""
-    raw = os.environ.get(ARRIVAL_ENV, "").strip() or "30"
-    try:
-        seconds = float(raw)
-    except ValueError:
-        seconds = -1.0
-    if not 0 < seconds < 10**7:
-        raise ShardingError(
-            f"hp_lazy: {ARRIVAL_ENV}={raw[:40]!r} is not a positive number of seconds; unset it or set e.g. 30"
-        )
-    return timedelta(seconds=seconds)
+    return _seconds(ARRIVAL_ENV, DEFAULT_ARRIVAL_S)
 
 
 def check_arrival(mesh: Mesh, what: str, fix: str) -> None:
