@@ -141,11 +141,8 @@ class _Saver:
         self, model_to_save: nn.Module, state_dict: dict[str, Any], distributed_config: Any = None,
         *, save_on_this_rank: bool = True,
     ) -> dict[str, Any]:
-        check_arrival(
-            self.mesh, f"{type(model_to_save).__name__}.save_pretrained",
-            "call save_pretrained on every rank (transformers writes on rank 0 only), not under "
-            "`if rank == 0:`; or gather with hp_lazy.full_state_dict(model) on every rank and write it on one",
-        )
+        if any(isinstance(v, DTensor) for v in state_dict.values()):  # shards to gather: a collective
+            self._check_arrival(model_to_save)
         out: dict[str, Any] = {}
         tied: dict[tuple[int, int, tuple[int, ...]], torch.Tensor | None] = {}
         for key in list(state_dict):
@@ -162,6 +159,14 @@ class _Saver:
             if save_on_this_rank:
                 out[key] = value.detach().cpu().contiguous() if isinstance(value, torch.Tensor) else value
         return out
+
+    def _check_arrival(self, model_to_save: nn.Module) -> None:
+        check_arrival(
+            self.mesh, f"{type(model_to_save).__name__}.save_pretrained",
+            "call save_pretrained on every rank (transformers writes on rank 0 only), not under "
+            "`if rank == 0:`; or gather with hp_lazy.full_state_dict(model) on every rank and pass it on one: "
+            "save_pretrained(d, state_dict=full)",
+        )
 
     def barrier(self, distributed_config: Any = None) -> None:
         if self.gathered and dist.is_initialized():
