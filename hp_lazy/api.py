@@ -89,6 +89,8 @@ def activate(
     when_imported("accelerate.accelerator", _integrate_accelerate)  # before install: its finder stays first
     when_imported("transformers.trainer", _integrate_trainer)
     when_imported("trl.trainer.utils", _integrate_trl)
+    for name in ("trl.trainer.grpo_trainer", "trl.trainer.rloo_trainer"):
+        when_imported(name, _integrate_trl_online)
     when_imported("transformers.modeling_utils", _integrate_modeling)
     handle = install(resolved, cache=cache, lower=_lower, bind=_register, runtime=_runtime)
     from hp_lazy.runtime import options
@@ -146,6 +148,13 @@ def _integrate_trl(module: ModuleType) -> None:
     from hp_lazy.integrations import trl
 
     trl.install(module)
+
+
+def _integrate_trl_online(module: ModuleType) -> None:
+    """TRL's GRPO / RLOO trainers refused where ranks share a batch: see :mod:`hp_lazy.integrations.trl`."""
+    from hp_lazy.integrations import trl
+
+    trl.install_online(module, degrees=_active_degrees)
 
 
 def _active_degrees() -> dict[str, int] | None:

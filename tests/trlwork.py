@@ -205,3 +205,30 @@ def compare_logged(got: dict[str, Any], ref: dict[str, Any], tol: float = 1e-5) 
     bad = {k: v for k, v in errors.items() if not v <= tol}
     assert not bad, f"relative errors above {tol}: {dict(list(bad.items())[:6])}"
     return errors
+
+
+def _reward(prompts: Any, completions: Any, **kwargs: Any) -> list[float]:
+    """A reward that tells completions apart: the number of distinct tokens in the completion."""
+    return [float(len(set(str(c).split()))) for c in completions]
+
+
+def grpo(rank: int, world: int, path: str, out: str) -> dict[str, Any]:
+    """``GRPOTrainer`` with ``model.generate`` (sampling, the same seed on every rank) and a rule
+    reward, 2 steps: every logged number, rank 0 the parameters."""
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    import hp_lazy
+    from hp_lazy.api import active_plan
+
+    model = trainwork.parity._load(path)
+    dp = hp_lazy.mesh().group("dp").size if active_plan() is not None else 1
+    ids = models.batch(seed=7, batch_size=8, seq=6).tolist()
+    prompts = Dataset.from_dict({"prompt": [" ".join(f"t{i}" for i in row) for row in ids]})
+    args = GRPOConfig(
+        output_dir=out, per_device_train_batch_size=trainwork.GLOBAL_BATCH // dp, num_generations=2,
+        max_completion_length=6, max_steps=2, logging_steps=1, report_to=[], optim="sgd", learning_rate=0.1,
+        weight_decay=0.01, save_strategy="no", use_cpu=True, disable_tqdm=True, bf16=False, seed=0, beta=0.1,
+    )
+    run = GRPOTrainer(model=model, reward_funcs=_reward, args=args, train_dataset=prompts, processing_class=tokenizer())
+    return _trained(rank, run, model)

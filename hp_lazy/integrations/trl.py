@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
+from hp_lazy.errors import ShardingError
 from hp_lazy.names import PATCHED, ROUTED
 
 KERNEL = "_ChunkedLogProbFunction"
@@ -48,6 +49,39 @@ def install(module: ModuleType) -> None:
     add = getattr(module, "add_fused_lm_head", None)
     if add is not None:
         module.add_fused_lm_head = _with_global_aux(add)  # type: ignore[attr-defined]
+
+
+RL_TRAINERS = {"trl.trainer.grpo_trainer": "GRPOTrainer", "trl.trainer.rloo_trainer": "RLOOTrainer"}
+"""TRL's online trainers that slice the generated batch by accelerate's process index."""
+
+
+def install_online(module: ModuleType, degrees: Callable[[], Any]) -> None:
+    """Refuse ``module``'s online RL trainer (GRPO, RLOO) on a model whose ranks share a batch
+    (tp or cp > 1): it gathers every process's completions and keeps the advantages of
+    ``process_index``'s slice, as if every rank were data parallel, so the ranks of one tp group
+    would train on different advantages, silently."""
+    cls = getattr(module, RL_TRAINERS.get(module.__name__, ""), None)
+    if cls is None or cls.__dict__.get(PATCHED, False):  # its own mark, not the Trainer's it inherits
+        return
+    stock = cls.__init__
+
+    @functools.wraps(stock)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        stock(self, *args, **kwargs)
+        from hp_lazy.integrations.accelerate import lowered, sharing_degrees
+
+        shared = {a: n for a, n in (sharing_degrees(degrees()) or {}).items() if a in ("tp", "cp") and n > 1}
+        if shared and lowered(self.model):
+            raise ShardingError(
+                f"{cls.__name__}: hp_lazy shards this model over {shared}, so several ranks share each batch, but "
+                f"{cls.__name__} slices the generated completions' advantages by accelerate's process_index, as if "
+                "every rank were data parallel: the ranks of one group would train on different advantages; run "
+                "it data parallel (hp_lazy.activate with ep only, or without hp_lazy), or use SFTTrainer / "
+                "DPOTrainer, which hp_lazy runs exactly under tp and cp"
+            )
+
+    cls.__init__ = __init__
+    setattr(cls, PATCHED, True)
 
 
 AUX = "load_balancing_loss_func"
