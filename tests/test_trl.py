@@ -101,3 +101,19 @@ def test_grpo_trainer_is_refused_where_ranks_share_a_batch(pool: DistPool, refs,
                                           r"share each batch, but GRPOTrainer slices the generated completions' "
                                           r"advantages by accelerate's process_index"):
         pool.run(trlwork.grpo, path, str(tmp_path / "hp"))
+
+
+def _trl_then_activate(rank: int, world: int) -> None:
+    import trl.trainer.sft_trainer  # noqa: F401  (it binds add_fused_lm_head before hp_lazy is active)
+
+    import hp_lazy
+
+    hp_lazy.activate(hp_lazy.Plan.auto(tp=2))
+
+
+def test_sft_trainer_with_trl_imported_before_activate(pool2: DistPool, refs, tmp_path) -> None:
+    path, _ = refs("llama")
+    pool2.close()  # fresh workers: TRL first, then activate
+    parity.once(pool2, _trl_then_activate)
+    ref = trlwork.sft(0, 1, path, str(tmp_path / "ref"))
+    trlwork.compare(pool2.run(trlwork.sft, path, str(tmp_path / "hp"))[0], ref)

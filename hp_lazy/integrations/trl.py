@@ -13,13 +13,20 @@ vocab shard (:func:`hp_lazy.runtime.tp.logprobs.shard_of`), it computes every re
 field over the whole vocabulary from the shards (:func:`hp_lazy.runtime.tp.logprobs.per_token`);
 any other weight goes to TRL's kernel untouched.
 
-The fused forward adds an MoE model's load-balancing aux loss (TRL turns ``output_router_logits``
-on) through Mixtral's ``load_balancing_loss_func``, not the model's own module's, which hp_lazy
-makes global under expert parallel (:mod:`hp_lazy.runtime.ep.aux`): on one rank's rows it is not
-one process's aux loss. ``add_fused_lm_head`` is wrapped so that, during a fused call of a model
-whose modeling module holds hp_lazy's global function, Mixtral's name points to that function.
-Everything else TRL does (its data collation, ``gather_for_metrics``, ``get_tp_size``) already goes
-through hp_lazy's accelerate and Trainer integrations.
+``add_fused_lm_head`` is wrapped (in ``trl.trainer.utils`` and in every TRL module that imported it
+already); the forward it installs is marked for :mod:`hp_lazy.runtime.guard` and, on a fused call:
+
+- under context parallel, runs through the model's context-parallel entry (this rank's zigzag
+  rows, pre-shifted labels, the global label count, the loss summed over cp) and gathers the
+  per-token outputs back whole and in sequence order;
+- under expert parallel, points Mixtral's ``load_balancing_loss_func`` (which TRL calls for every
+  MoE family) to the model module's global one (:mod:`hp_lazy.runtime.ep.aux`) for the call: on
+  one rank's rows it is not one process's aux loss.
+
+``GRPOTrainer`` and ``RLOOTrainer`` keep the advantages of ``process_index``'s slice of the
+gathered completions, as if every rank were data parallel: :func:`install_online` refuses them
+where ranks share a batch. Everything else TRL does (its data collation, ``gather_for_metrics``,
+``get_tp_size``) already goes through hp_lazy's accelerate and Trainer integrations.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from typing import Any
 from hp_lazy.errors import ShardingError
 from hp_lazy.names import PATCHED, ROUTED
 
+ADD = "add_fused_lm_head"
 KERNEL = "_ChunkedLogProbFunction"
 """The name ``trl.trainer.utils`` calls its fused-head kernel by (``add_fused_lm_head``'s forward
 looks it up at each call)."""
@@ -46,9 +54,14 @@ def install(module: ModuleType) -> None:
     if stock is None or getattr(stock, PATCHED, False):
         return
     setattr(module, KERNEL, _dispatcher(stock))
-    add = getattr(module, "add_fused_lm_head", None)
-    if add is not None:
-        module.add_fused_lm_head = _with_global_aux(add)  # type: ignore[attr-defined]
+    add = getattr(module, ADD, None)
+    if add is None:
+        return
+    routed = _routed(add)
+    module.add_fused_lm_head = routed  # type: ignore[attr-defined]
+    for name, imported in list(sys.modules.items()):  # trainers imported before activate hold the stock one
+        if name.startswith("trl.") and getattr(imported, ADD, None) is add:
+            setattr(imported, ADD, routed)
 
 
 RL_TRAINERS = {"trl.trainer.grpo_trainer": "GRPOTrainer", "trl.trainer.rloo_trainer": "RLOOTrainer"}
@@ -89,7 +102,7 @@ MIXTRAL = "transformers.models.mixtral.modeling_mixtral"
 """Where TRL's fused forward takes the MoE aux loss function from, for every family."""
 
 
-def _with_global_aux(stock: Callable[..., None]) -> Callable[..., None]:
+def _routed(stock: Callable[..., None]) -> Callable[..., None]:
     @functools.wraps(stock)
     def add_fused_lm_head(model: Any, *args: Any, **kwargs: Any) -> None:
         stock(model, *args, **kwargs)

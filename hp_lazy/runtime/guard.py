@@ -53,7 +53,7 @@ def check(top: nn.Module) -> None:
     if cut is None:
         return
     name, describe = cut
-    where = f"{getattr(function, '__module__', '?')}.{getattr(function, '__qualname__', repr(function))}"
+    where = _name(function)
     raise ShardingError(
         f"{type(top).__qualname__}.forward was replaced by {where}, which reads an embedding's or head's weight "
         f"directly, but {name} is this rank's shard ({describe}) under tensor parallel: a softmax or lookup over it "
@@ -61,6 +61,14 @@ def check(top: nn.Module) -> None:
         "hp_lazy.full_weights for the whole weight, or mark a forward that only calls modules with "
         f"setattr(fn, {ROUTED!r}, True)"
     )
+
+
+def _name(function: Any) -> str:
+    """Where the function was written (its code's own name: ``functools.wraps`` copies another's)."""
+    code = getattr(function, "__code__", None)
+    module = getattr(function, "__globals__", {}).get("__name__", "?")
+    name = getattr(code, "co_qualname", None) or getattr(function, "__qualname__", repr(function))
+    return f"{module}.{name}"
 
 
 def _reads_a_weight(function: Any) -> bool:
