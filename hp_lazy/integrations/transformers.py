@@ -160,9 +160,22 @@ def _load_optimizer(stock: Callable[..., Any], degrees: Degrees) -> Callable[...
     def _load_optimizer_and_scheduler(self: Any, checkpoint: str | None) -> None:
         if checkpoint is None or _sharded(self, degrees) is None:
             return stock(self, checkpoint)
+        import torch
+
         folder = os.path.join(checkpoint, OPTIMIZER_DIR)
-        if not os.path.isdir(folder):
-            if os.path.isfile(os.path.join(checkpoint, _OPTIMIZER_PT)) and not _whole_optimizer_pt(self, checkpoint):
+        model, optimizer = _optimizer_parts(self)
+        if os.path.isdir(folder):
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+            state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
+            dcp.load(state, checkpoint_id=folder)  # into this rank's shards, from whatever layout was saved
+            set_optimizer_state_dict(model, optimizer, state["optimizer"])
+        elif os.path.isfile(os.path.join(checkpoint, _OPTIMIZER_PT)):
+            from hp_lazy.runtime.checkpoint.hooks import holds_full_states  # DTensor: imported once a model binds
+
+            saved = torch.load(os.path.join(checkpoint, _OPTIMIZER_PT), map_location="cpu", weights_only=True)
+            if holds_full_states(optimizer, saved) is False:
                 raise ShardingError(
                     f"Trainer: resume_from_checkpoint={checkpoint!r} holds optimizer.pt, written by the main process "
                     "alone; for this model, whose parameters are sharded over tp, it holds rank 0's shards only and "
@@ -170,34 +183,16 @@ def _load_optimizer(stock: Callable[..., Any], degrees: Degrees) -> Callable[...
                     f"{OPTIMIZER_DIR}/ with torch.distributed.checkpoint), or delete optimizer.pt to resume the "
                     "model alone with a fresh optimizer"
                 )
-            # one process's optimizer.pt (whole states: sliced to this rank's shards when the optimizer first
-            # steps, hp_lazy's adoption), or no optimizer state: the Trainer's own load
-            return stock(self, checkpoint)
-        import torch
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-
-        model, optimizer = _optimizer_parts(self)
-        state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
-        dcp.load(state, checkpoint_id=folder)  # into this rank's shards, from whatever layout was saved
-        set_optimizer_state_dict(model, optimizer, state["optimizer"])
+            # one process's whole states: each rank keeps its shards' slices when the optimizer first steps
+            optimizer.load_state_dict(saved)
+        else:
+            return stock(self, checkpoint)  # no optimizer state saved: the Trainer's own (it loads nothing)
         scheduler = os.path.join(checkpoint, _SCHEDULER_PT)
         if os.path.isfile(scheduler):
             self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
         return None
 
     return _load_optimizer_and_scheduler
-
-
-def _whole_optimizer_pt(trainer: Any, checkpoint: str) -> bool:
-    """``optimizer.pt`` holds whole states for the sharded parameters (a one-process checkpoint)."""
-    import torch
-
-    from hp_lazy.runtime.checkpoint.hooks import holds_full_states
-
-    _, optimizer = _optimizer_parts(trainer)
-    saved = torch.load(os.path.join(checkpoint, _OPTIMIZER_PT), map_location="cpu", weights_only=True)
-    return holds_full_states(optimizer, saved) is not False
 
 
 def _save(stock: Callable[..., Any]) -> Callable[..., Any]:
