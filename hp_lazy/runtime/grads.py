@@ -396,7 +396,11 @@ class GradOwner:
                 f"ranks {dp} hold alike (DDP broadcast rank 0's shards to the others when it was built); "
                 "wrap it as DistributedDataParallel(model, process_group=hp_lazy.mesh().group('dp').pg)"
             )
+        from torch.distributed.fsdp import FSDPModule  # imported by then (accelerate, transformers)
+
         for name, module in root.named_modules():
+            if not isinstance(module, FSDPModule):  # a type test per module, no attribute lookups: every forward
+                continue
             mesh = _fsdp_mesh(module)
             if mesh is not None and mesh.ndim == 1 and _pg_ranks(mesh.get_group()) != dp:
                 raise ShardingError(
@@ -406,10 +410,10 @@ class GradOwner:
                 )
 
 
-def _fsdp_mesh(module: nn.Module) -> Any:
-    """The mesh FSDP2's ``fully_shard`` put ``module``'s parameters on (None if it did not)."""
-    state = getattr(module, "_get_fsdp_state", None)
-    group = getattr(state(), "_fsdp_param_group", None) if callable(state) else None
+def _fsdp_mesh(module: Any) -> Any:
+    """The mesh FSDP2's ``fully_shard`` put ``module``'s parameters on (torch keeps it on the
+    module's state's parameter group; None where it has none)."""
+    group = getattr(module._get_fsdp_state(), "_fsdp_param_group", None)
     return getattr(getattr(group, "mesh_info", None), "mesh", None)
 
 
