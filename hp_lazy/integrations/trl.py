@@ -155,11 +155,14 @@ def _split_over_cp(entry: Any, fused: Callable[..., Any], model: Any, kwargs: di
         return fused(**named)
 
     out = entry(call, model, (), kwargs)
-    for name in FIELDS:
-        value = getattr(out, name, None)
-        if isinstance(value, torch.Tensor) and value.dim() == 2:
-            whole = gather_sequence(value if value.is_floating_point() else value.to(torch.int32), entry.group)
-            setattr(out, name, (whole if value.is_floating_point() else whole.to(value.dtype))[:, :-1])
+    present = [(n, v) for n in FIELDS if isinstance(v := getattr(out, n, None), torch.Tensor) and v.dim() == 2]
+    if not present:
+        return out
+    # one all-gather for every field: flags (0/1) and float32 values travel exactly as float32
+    stacked = torch.stack([v.to(torch.float32) for _, v in present])  # [fields, B, S/C]
+    whole = gather_sequence(stacked, entry.group, dim=2)[:, :, :-1]
+    for (name, value), field in zip(present, whole.unbind(0), strict=True):
+        setattr(out, name, field.to(value.dtype))
     return out
 
 
