@@ -623,7 +623,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ep", type=int, default=1, choices=(1, 2), help="2: expert parallel (ep=2, dp=2) instead of tp=2")
     parser.add_argument("--_ref", nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--_rank", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--smoke", action="store_true", help="one family (llama): does the sweep run?")
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.families = "llama"
     if args._ref:
         child_reference(*args._ref)
         return 0

@@ -172,7 +172,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="also write the raw samples here")
+    parser.add_argument("--smoke", action="store_true", help="one round of llama: does every variant run?")
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.rounds, args.models = 1, "llama"
     models = [m for m in args.models.split(",") if m]
     with tempfile.TemporaryDirectory(prefix="hp_lazy_bench_") as tmp:
         samples = measure(models, args.rounds, Path(tmp), args.seed)

@@ -29,7 +29,11 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tp", type=int, nargs="+", default=[2, 4])
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--variants", nargs="+", default=["plain", "hp_lazy", "tp_plan"])
-    return p.parse_args(argv)
+    p.add_argument("--smoke", action="store_true", help="a 2M-parameter model at tp=2: does every variant run?")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.params, args.tp = 2, [2]
+    return args
 
 
 def _config(millions: int) -> Any:
