@@ -8,7 +8,8 @@ weights, seed 0, nothing downloaded). Fresh processes run, alternately, ``--repe
   ep            ``hp_lazy.activate("auto", ep=W)`` on W ranks, 1 thread each: every rank feeds
                 its ``batch / W`` rows and holds ``1 / W`` of the experts (all-to-all dispatch)
   experts-TP    ``hp_lazy.activate("auto", tp=W)``: every rank runs the whole batch through its
-                slice of every expert (transformers' ``moe_tp_experts``)
+                ``1 / W`` of the experts, whole (region ``tp_experts``; the exit all-reduce sums the
+                ranks' parts; the same bytes as cutting every expert's width)
   transformers ep_plan
                 no hp_lazy: ``from_pretrained(path, distributed_config=DistributedConfig(ep_size=W,
                 fsdp_size=W))``, transformers 5.24's own expert parallel (the config's

@@ -44,6 +44,7 @@ __all__ = [
     "deactivate",
     "expert_load",
     "full_grads",
+    "layout",
     "full_state_dict",
     "gather_sequence",
     "mesh",
@@ -197,6 +198,15 @@ def full_weights(model: nn.Module, bucket_mb: float = 256.0) -> Iterator[list[tu
     from hp_lazy.runtime.state import full_weights as stream
 
     return stream(model, int(bucket_mb * 2**20))
+
+
+def layout(model: nn.Module) -> Any:
+    """Each parameter's placement per axis and the bytes this rank holds against one process's,
+    with what is whole on every rank listed (``print(hp_lazy.layout(model))``); this rank's view of
+    a bound model, no collective. :class:`hp_lazy.runtime.report.LayoutReport`."""
+    from hp_lazy.runtime.report import of_model
+
+    return of_model(model)
 
 
 def full_grads(model: nn.Module) -> dict[str, torch.Tensor]:

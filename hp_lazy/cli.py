@@ -1,8 +1,14 @@
 """``python -m hp_lazy``: look at what a plan does to a module without importing it.
 
-    show MODULE --plan PLAN [--tp N] [--sequence-parallel]   lowered source (ast.unparse)
+    show MODULE --plan PLAN [--tp N] [--cp N] [--cp-mode M] [--ep N] [--sequence-parallel]
+                                                             lowered source (ast.unparse)
     diff MODULE --plan PLAN ...                              unified diff, original vs lowered
     check MODULE --plan PLAN ...                             each boundary class, its form and why
+    layout MODEL_DIR --plan PLAN ...                         each parameter's placement per axis and
+                                                             the bytes a rank holds against one process's
+                                                             (the model built from its config.json on
+                                                             the meta device; hp_lazy.layout(model) is
+                                                             the same table for a bound model)
     cache info | cache clear [--cache-dir DIR]               the lowered-code cache
     demo ...                                                 hp_lazy.demo.main(argv)
 
@@ -50,7 +56,8 @@ def locate(module: str) -> Located:
 def _plan(args: argparse.Namespace) -> Any:
     from hp_lazy.hook.api import load_plan
 
-    return load_plan(args.plan, tp=args.tp, sequence_parallel=args.sequence_parallel)
+    return load_plan(args.plan, tp=args.tp, sequence_parallel=args.sequence_parallel, cp=args.cp,
+                     cp_mode=args.cp_mode, ep=args.ep)
 
 
 def _lowered(args: argparse.Namespace) -> tuple[Located, str]:
@@ -109,6 +116,28 @@ def boundary_report(located: Located, module_plan: Any) -> list[str]:
     return rows
 
 
+def cmd_layout(args: argparse.Namespace) -> int:
+    import torch
+    import transformers
+
+    from hp_lazy.runtime.report import planned
+
+    plan = _plan(args)
+    try:
+        config = transformers.AutoConfig.from_pretrained(args.module)
+    except (OSError, ValueError) as exc:
+        raise PlanError(f"{args.module}: no model config to read ({exc}); pass a directory holding a config.json, "
+                        "e.g. one written by save_pretrained") from None
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    found = {type(sub).__module__ for sub in model.modules()}
+    names = sorted(m for m in found if m.startswith("transformers.models."))
+    slices = [s for name in names if (s := plan.slice(name, locate(name).source)) is not None]
+    degrees = {axis: n for axis, n in slices[0].mesh.items()} if slices else {}
+    print(planned(model, slices, degrees))
+    return 0
+
+
 def cmd_cache(args: argparse.Namespace) -> int:
     from hp_lazy.hook.cache import Cache
 
@@ -134,6 +163,9 @@ def _add_plan_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plan", required=True, help="path to a .json plan, or 'auto'")
     parser.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (required for auto)")
     parser.add_argument("--sequence-parallel", action="store_true", help="auto plan: sequence parallel")
+    parser.add_argument("--cp", type=int, default=None, help="auto plan: context-parallel degree")
+    parser.add_argument("--cp-mode", default=None, choices=("allgather", "ulysses"), help="auto plan: cp attention")
+    parser.add_argument("--ep", type=int, default=None, help="auto plan: expert-parallel degree")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -145,6 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("show", cmd_show, "print the lowered source of MODULE"),
         ("diff", cmd_diff, "unified diff of MODULE, original vs lowered"),
         ("check", cmd_check, "each boundary class of MODULE, its form and why"),
+        ("layout", cmd_layout, "each parameter's placement and bytes per rank, for the model saved at MODULE"),
     ]:
         cmd = sub.add_parser(name, help=text)
         _add_plan_args(cmd)

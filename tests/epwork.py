@@ -359,3 +359,54 @@ def record_across_refresh(rank: int, world: int, path: str) -> dict[str, Any]:
     return {"same_record": after is before, "same_styles": all(after.styles[a] is s for a, s in styles.items()),
             "axes": sorted(styles), "new_grads": after.grads is not grads, "keys": hp_keys,
             "owner_key": names.OWNER, "rules": sum(r.axes == ("edp",) for r in after.grads.rules.values())}
+
+
+def expert_axes(family: str, **degrees: int) -> list[str]:
+    """The axes ``Plan.auto(ep=2, tp=2)`` cuts ``family``'s ``gate_up_proj`` on, read from the plan
+    itself (``["ep", "tp"]`` where the installed release's TP plan still has experts-TP entries,
+    transformers 5.24; ``["ep"]`` on 5.25, which moved the experts to the ep plan alone)."""
+    import importlib.util
+    from pathlib import Path
+
+    from hp_lazy.plan import Plan
+
+    name = f"transformers.models.{family}.modeling_{family}"
+    spec = importlib.util.find_spec(name)
+    assert spec is not None and spec.origin is not None
+    plan = Plan.auto(**(degrees or {"ep": 2, "tp": 2})).slice(name, Path(spec.origin).read_text())
+    experts = plan.contract("model.layers.*.mlp.experts")
+    return [axis for axis in ("ep", "tp") if axis in experts.params["gate_up_proj"]]
+
+
+def held(rank: int, world: int, path: str) -> dict[str, Any]:
+    """``hp_lazy.layout(model)`` of the bound model: per expert parameter (held, full) bytes, the
+    whole-model totals and the printed table; and the collectives of one fwd+bwd."""
+    import hp_lazy
+
+    model = hp_lazy.parallelize(load(path))
+    report = hp_lazy.layout(model)
+    with hp_lazy.collective_counter() as counter:
+        model(**batch()).loss.backward()
+    return {"experts": {r.name: (r.held, r.full) for r in report.rows if ".experts." in r.name},
+            "held": report.held_bytes, "full": report.full_bytes, "text": str(report),
+            "ops": {phase: counter.by_phase(phase) for phase in ("forward", "backward")}}
+
+
+def train_misrouted(rank: int, world: int, path: str, data: dict[str, Any]) -> dict[str, Any]:
+    """Negative control: the tp_experts region runs every rank's pairs as if it held the first
+    experts (the expert ranges of the ranks confused): the numbers must differ from one process."""
+    import dataclasses
+
+    from hp_lazy.runtime.ep import dispatch
+
+    original = dispatch.keep_local
+
+    def confused(module, experts_forward, spec, x, idx, w):  # noqa: ANN001, ANN202
+        first = dataclasses.replace(spec, group=dataclasses.replace(spec.group, rank=0))
+        return original(module, experts_forward, first, x, idx, w)
+
+    dispatch.keep_local = confused
+    try:
+        return train(rank, world, path, data, "eager")
+    finally:
+        dispatch.keep_local = original

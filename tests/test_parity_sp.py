@@ -30,8 +30,9 @@ def test_experts_under_sequence_parallel_are_refused_at_import(refs, pool2: Dist
     with pytest.raises(WorkerError) as info:
         _pool(2, pool2, pool4).run(parity.train, path, models.batch())
     assert (
-        "PlanError: transformers.models.qwen3_moe.modeling_qwen3_moe: Qwen3MoeConfig.base_model_tp_plan"
-        "['layers.*.mlp.experts'] = 'moe_tp_experts' is not supported together with sequence_parallel yet"
+        "PlanError: transformers.models.qwen3_moe.modeling_qwen3_moe: Qwen3MoeConfig.base_model_ep_plan"
+        "['layers.*.mlp.experts'] = 'ep_dispatch_experts' (experts split by expert over tp) is not supported "
+        "together with sequence_parallel yet"
     ) in str(info.value)
 
 

@@ -250,7 +250,7 @@ def test_injections_key_was_replaced_by_typed_fields() -> None:
         ({"inner": {"call": "attention", "kind": "ring"}},
          f"plan.boundaries['{ATTN}'].inner.kind: kind 'ring' is not one of ['cp_allgather_kv', 'cp_ulysses']"),
         ({"region": {"kind": "moe"}},
-         f"plan.boundaries['{ATTN}'].region.kind: kind 'moe' is not one of ['ep_dispatch']; use one of those"),
+         f"plan.boundaries['{ATTN}'].region.kind: kind 'moe' is not one of ['ep_dispatch', 'tp_experts']; use one of those"),
         ({"region": {}}, f"plan.boundaries['{ATTN}'].region: {{}} has no ['kind']; write e.g. {{\"kind\": \"ep_dispatch\"}}"),
         ({"region": {"kind": "ep_dispatch", "replicated": "norm"}},
          f"plan.boundaries['{ATTN}'].region.replicated: 'norm' is not a list; write e.g. [\"post_expert_norm\"]"),
@@ -265,7 +265,7 @@ def test_inner_and_region_are_validated_strictly(body: dict, expected: str) -> N
 def test_every_kind_is_implemented_and_an_unknown_one_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     import hp_lazy
 
-    assert set(plan_model.IMPLEMENTED) == {"cp_allgather_kv", "cp_ulysses", "ep_dispatch"}
+    assert set(plan_model.IMPLEMENTED) == {"cp_allgather_kv", "cp_ulysses", "ep_dispatch", "tp_experts"}
     monkeypatch.setattr(plan_model, "IMPLEMENTED", frozenset({"cp_allgather_kv", "cp_ulysses"}))
     text = error_text(with_inner(region={"kind": "ep_dispatch"}))
     assert text == (f"plan.boundaries['{ATTN}'].region: kind 'ep_dispatch' (expert parallel) is not implemented yet in "
@@ -284,8 +284,8 @@ def test_the_allgather_inner_op_needs_a_cp_axis() -> None:
 
 def test_the_ep_dispatch_region_needs_an_ep_axis() -> None:
     text = error_text(with_inner(region={"kind": "ep_dispatch"}))
-    assert text == (f"plan.boundaries['{ATTN}'].region: kind 'ep_dispatch' sends tokens over the ep axis, but "
-                    "plan.mesh {'tp': 2} has no ep above 1; add \"ep\": N to plan.mesh or remove the region")
+    assert text == (f"plan.boundaries['{ATTN}'].region: kind 'ep_dispatch' splits the experts over the ep axis, "
+                    "but plan.mesh {'tp': 2} has no ep above 1; add \"ep\": N to plan.mesh or remove the region")
 
 
 def test_implemented_kinds_are_one_table(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -298,6 +298,14 @@ def test_implemented_kinds_are_one_table(monkeypatch: pytest.MonkeyPatch) -> Non
     assert attn.region == Region(kind="ep_dispatch")
     assert plan.to_dict()["boundaries"][ATTN]["inner"] == {"call": "attention", "kind": "cp_allgather_kv"}
     assert Plan.from_dict(plan.to_dict()) == plan
+
+
+def test_the_tp_experts_region_needs_a_tp_axis() -> None:
+    data = with_inner(region={"kind": "tp_experts"})
+    data["mesh"] = {"tp": 1}
+    text = error_text(data)
+    assert text == (f"plan.boundaries['{ATTN}'].region: kind 'tp_experts' splits the experts over the tp axis, "
+                    "but plan.mesh {'tp': 1} has no tp above 1; add \"tp\": N to plan.mesh or remove the region")
 
 
 def test_region_replicated_names_round_trip() -> None:
@@ -315,7 +323,7 @@ def test_region_replicated_names_round_trip() -> None:
 def test_inner_op_and_region_values_are_checked_on_construction() -> None:
     with pytest.raises(PlanError, match=r"InnerOp: kind 'ring' is not one of \['cp_allgather_kv', 'cp_ulysses'\]"):
         InnerOp(call="attention", kind="ring")  # type: ignore[arg-type]
-    with pytest.raises(PlanError, match=r"Region: kind 'moe' is not one of \['ep_dispatch'\]"):
+    with pytest.raises(PlanError, match=r"Region: kind 'moe' is not one of \['ep_dispatch', 'tp_experts'\]"):
         Region(kind="moe")  # type: ignore[arg-type]
 
 

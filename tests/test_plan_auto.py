@@ -127,17 +127,19 @@ def test_sequence_parallel_rejects_per_linear_gathers() -> None:
     )
 
 
-def test_moe_experts_are_tensor_parallel_and_dense_slots_pick_their_class() -> None:
+def test_moe_experts_are_split_by_expert_over_tp_and_dense_slots_pick_their_class() -> None:
     """qwen3_moe: ``layers.*.mlp`` is a dense MLP in some layers and an MoE block in others; the
-    dense contract binds only the class that has gate/up/down, the experts get moe_tp_experts."""
+    dense contract binds only the class that has gate/up/down; the experts the ep plan marks are
+    split by expert over tp (region tp_experts), whether or not the TP plan still names them
+    (transformers 5.24 has moe_tp_experts there, 5.25 does not: one layout on both)."""
     plan = Plan.auto(tp=2).slice(*source("qwen3_moe"))
     experts = plan.contract("model.layers.*.mlp.experts").to_dict()
     assert experts == {
         "in_src": {name: {"tp": "R"} for name in ("hidden_states", "top_k_index", "top_k_weights")},
         "in_dst": {name: {"tp": "R"} for name in ("hidden_states", "top_k_index", "top_k_weights")},
         "out_src": {"output": {"tp": "P(sum)"}}, "out_dst": {"output": {"tp": "R"}},
-        "params": {"down_proj": {"tp": "S(-1)"}, "gate_up_proj": {"tp": "SS(-2,2)"}},
-        "skip_source_lowering": True,
+        "params": {"down_proj": {"tp": "S(0)"}, "gate_up_proj": {"tp": "S(0)"}},
+        "skip_source_lowering": True, "region": {"kind": "tp_experts"},
     }
     assert plan.classes["model.layers.*.mlp"] == "Qwen3MoeMLP"
     assert plan.classes["model.layers.*.mlp.experts"] == "Qwen3MoeExperts"
@@ -147,8 +149,9 @@ def test_experts_under_sequence_parallel_are_refused() -> None:
     with pytest.raises(PlanError) as info:
         Plan.auto(tp=2, sequence_parallel=True).slice(*source("qwen3_moe"))
     assert str(info.value) == (
-        "transformers.models.qwen3_moe.modeling_qwen3_moe: Qwen3MoeConfig.base_model_tp_plan['layers.*.mlp.experts'] "
-        "= 'moe_tp_experts' is not supported together with sequence_parallel yet; "
+        "transformers.models.qwen3_moe.modeling_qwen3_moe: Qwen3MoeConfig.base_model_ep_plan['layers.*.mlp.experts'] "
+        "= 'ep_dispatch_experts' (experts split by expert over tp) is not supported together with sequence_parallel "
+        "yet: each tp rank holds other tokens there; "
         "write an explicit JSON plan for this module (Plan.from_json) instead of Plan.auto"
     )
 
@@ -234,7 +237,7 @@ TOY_SOURCE = textwrap.dedent(
 
 
 def toy(monkeypatch: pytest.MonkeyPatch, plan: dict, **flags) -> dict[str, dict]:
-    monkeypatch.setattr(auto_mod, "config_plans", lambda module, facts: [("ToyConfig", plan)])
+    monkeypatch.setattr(auto_mod, "config_plans", lambda module, facts, attr="base_model_tp_plan": [("ToyConfig", plan)] if attr == "base_model_tp_plan" else [])
     return {c.pattern: c.to_dict() for c in auto_contracts(TOY, TOY_SOURCE, **flags)}
 
 

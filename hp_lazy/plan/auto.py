@@ -87,7 +87,7 @@ def auto_parts(module_name: str, source: str, flags: AutoFlags) -> tuple[tuple[C
     rules = [r for name, plan in plans for r in base_rules(facts, name, plan)]
     rules += head_rules(facts)
     ep_rules = []
-    if flags.ep > 1:
+    if flags.ep > 1 or flags.tp > 1:  # tp alone splits the experts the ep plan marks too (tp_experts)
         ep_rules = [r for name, plan in config_plans(module_name, facts, EP_PLAN)
                     for r in base_rules(facts, name, plan, EP_PLAN)]
     builder = _Builder(facts, flags)
@@ -108,12 +108,16 @@ class _Builder:
         self.bodies: dict[str, tuple[dict, str]] = {}
 
     def build(self, rules: list[Rule], ep_rules: list[Rule] | None = None) -> tuple[Contract, ...]:
+        ep_rules = ep_rules or []
+        if self.mesh["tp"] > 1:
+            rules = self._experts_by_expert(rules, ep_rules)
+            ep_rules = ep_rules if "ep" in self.mesh else []
         if self.mesh["tp"] == 1 and (self.inner is not None or ep_rules):
             # context and expert parallel at tp=1 shard nothing over tp: the TP plan only locates the
             # attention modules (cp), and strings Plan.auto cannot translate for tp do not matter
             if self.inner is not None:
                 self._attention_only(rules)
-            self._expert_parallel(ep_rules or [])
+            self._expert_parallel(ep_rules)
             self._check_nesting()
             return tuple(contract_from_dict(p, body, self.mesh) for p, (body, _) in sorted(self.bodies.items()))
         for rule in rules:
@@ -138,7 +142,7 @@ class _Builder:
             self._implicit_embeddings(rules)
         if self.inner is not None:
             self._attention_only(rules)
-        self._expert_parallel(ep_rules or [])
+        self._expert_parallel(ep_rules)
         self._check_nesting()
         if self.sp:
             self._containers(grouped, boundaries, rules)
@@ -367,6 +371,48 @@ class _Builder:
             isinstance(node, ast.Name) and node.id == "ALL_ATTENTION_FUNCTIONS" for node in ast.walk(forward)
         )
 
+    def _experts_by_expert(self, rules: list[Rule], ep_rules: list[Rule]) -> list[Rule]:
+        """Under tp without ep, every module the ep plan marks ``ep_dispatch_experts`` is split by
+        expert over the tp ranks, on every release: transformers 5.25 dropped ``moe_tp_experts`` from the TP
+        plans, and where a TP plan still has it (5.24) its entries under those modules give way, so
+        one family has one layout whatever the release: the region ``tp_experts``, every
+        ``grouped_gemm`` parameter ``S(0)`` on tp. Same bytes per layer as experts-TP (one
+        all-reduce of the output), whole experts (fewer, full-width GEMMs), and no dependence on
+        how the expert weights are stored (packed, interleaved, transposed). With ep,
+        :meth:`_expert_parallel` cuts them on ep, and on tp only where the TP plan still has
+        experts-TP entries. Returns the TP rules left for the rest of the plan."""
+        experts = [r for r in ep_rules if r.style == EP_DISPATCH]
+
+        def under(rule: Rule, key: str) -> bool:
+            return rule.key == key or rule.key.startswith(key + ".")
+
+        if not experts or "ep" in self.mesh:
+            return rules  # under ep the TP plan's experts-TP entries (5.24) still cut each rank's experts on tp
+        kept = [r for r in rules if not any(r.base == e.base and under(r, e.key) for e in experts)]
+        for rule in experts:
+            if self.sp:
+                self._fail(rule, "(experts split by expert over tp) is not supported together with sequence_parallel "
+                           "yet: each tp rank holds other tokens there")
+        for rule in experts:
+            mine = [r for r in ep_rules if r.base == rule.base and under(r, rule.key) and r is not rule]
+            for other in mine:
+                if other.style not in (EP_PARAM, EP_REPLICATED):
+                    self._fail(other, f"is not an entry Plan.auto places inside {EP_DISPATCH!r} experts under tp "
+                               f"(it handles {EP_PARAM!r} and {EP_REPLICATED!r})")
+            cut = {r.key[len(rule.key) + 1 :]: {"tp": "S(0)"} for r in mine if r.style == EP_PARAM}
+            if not cut:
+                self._fail(rule, f"has no {EP_PARAM!r} expert parameters under it to split over tp")
+            name = self._class_of(rule, rule.key)
+            body = self._ep_body(rule, name)
+            body.update(out_src={"output": {"tp": "P(sum)"}}, params=cut, skip_source_lowering=True)
+            region: dict[str, object] = {"kind": "tp_experts"}
+            whole = sorted(r.key[len(rule.key) + 1 :] for r in mine if r.style == EP_REPLICATED)
+            if whole:
+                region["replicated"] = whole
+            body["region"] = region
+            self._add(rule.pattern, body, rule.owner)
+        return kept
+
     def _expert_parallel(self, rules: list[Rule]) -> None:
         """The ``ep_dispatch`` region on every ``ep_dispatch_experts`` module, its ``grouped_gemm``
         parameters ``S(0)`` on ``ep``."""
@@ -398,7 +444,8 @@ class _Builder:
             self.bodies[rule.pattern] = (body, known[1] if known is not None else rule.owner)
 
     def _ep_body(self, rule: Rule, name: str) -> dict:
-        """Experts the TP plan does not shard: every tp rank dispatches the same (replicated) tokens."""
+        """The entry and exit of an experts module: its inputs replicated over tp (every tp rank
+        dispatches the same tokens), its output too (tp=1) or the sum of the tp ranks' experts."""
         forward = self.facts.forward(name)
         inputs = forward_params(forward) if forward is not None else []
         if not inputs:

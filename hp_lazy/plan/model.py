@@ -33,14 +33,18 @@ AxisPlacements = Mapping[str, Placement]
 
 InnerCall = Literal["attention"]
 InnerKind = Literal["cp_allgather_kv", "cp_ulysses"]
-RegionKind = Literal["ep_dispatch"]
+RegionKind = Literal["ep_dispatch", "tp_experts"]
 INNER_CALLS: tuple[str, ...] = ("attention",)
 """Call sites an inner op can sit at: the attention function a boundary's forward calls."""
 INNER_KINDS: Mapping[str, str] = MappingProxyType(
     {"cp_allgather_kv": "context parallel", "cp_ulysses": "context parallel"}
 )
-REGION_KINDS: Mapping[str, str] = MappingProxyType({"ep_dispatch": "expert parallel"})
-IMPLEMENTED: frozenset[str] = frozenset({"cp_allgather_kv", "cp_ulysses", "ep_dispatch"})
+REGION_KINDS: Mapping[str, str] = MappingProxyType(
+    {"ep_dispatch": "expert parallel", "tp_experts": "tensor parallel (experts split by expert over tp)"}
+)
+REGION_AXES: Mapping[str, str] = MappingProxyType({"ep_dispatch": "ep", "tp_experts": "tp"})
+"""The axis each region kind splits the experts over."""
+IMPLEMENTED: frozenset[str] = frozenset({"cp_allgather_kv", "cp_ulysses", "ep_dispatch", "tp_experts"})
 """Inner-op and region kinds hp_lazy lowers and runs."""
 CP_MODES: Mapping[str, str] = MappingProxyType({"allgather": "cp_allgather_kv", "ulysses": "cp_ulysses"})
 """``Plan.auto(cp_mode=...)`` -> the inner-op kind it puts on attention boundaries."""
@@ -80,8 +84,10 @@ class InnerOp:
 
 @dataclass(frozen=True, kw_only=True)
 class Region:
-    """A region that replaces the module's compute, e.g. ``Region(kind="ep_dispatch")``: tokens
-    sent to the ranks holding their experts and back."""
+    """A region that replaces the module's compute: ``Region(kind="ep_dispatch")``, tokens sent to
+    the ranks holding their experts and back; ``Region(kind="tp_experts")``, the experts split by
+    expert over the tp ranks, which hold the same tokens: each runs the (token, slot) pairs routed
+    to its own experts and nothing is sent (the contract's exit all-reduce sums the ranks' parts)."""
 
     kind: RegionKind
     replicated: tuple[str, ...] = ()

@@ -28,6 +28,7 @@ from hp_lazy.plan.model import (
     IMPLEMENTED,
     INNER_CALLS,
     INNER_KINDS,
+    REGION_AXES,
     REGION_KINDS,
     AutoFlags,
     Contract,
@@ -243,10 +244,12 @@ def contract_from_dict(pattern: str, data: object, mesh: Mapping[str, int]) -> C
             f"{where}.inner: kind {contract.inner.kind!r} splits the sequence over the cp axis, but plan.mesh "
             f"{dict(mesh)} has no cp above 1; add \"cp\": N to plan.mesh or remove the inner op"
         )
-    if contract.region is not None and mesh.get("ep", 1) < 2:
+    region = contract.region
+    if region is not None and mesh.get(REGION_AXES[region.kind], 1) < 2:
+        axis = REGION_AXES[region.kind]
         raise PlanError(
-            f"{where}.region: kind {contract.region.kind!r} sends tokens over the ep axis, but plan.mesh {dict(mesh)} "
-            "has no ep above 1; add \"ep\": N to plan.mesh or remove the region"
+            f"{where}.region: kind {region.kind!r} splits the experts over the {axis} axis, but plan.mesh "
+            f"{dict(mesh)} has no {axis} above 1; add \"{axis}\": N to plan.mesh or remove the region"
         )
     return contract
 

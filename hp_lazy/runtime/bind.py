@@ -41,7 +41,7 @@ from hp_lazy.runtime.style import (
 )
 from hp_lazy.runtime.tp.style import TensorParallelStyle
 
-__all__ = ["STYLES", "bind_layout", "outermost_roots", "tied_to_a_shard"]
+__all__ = ["STYLES", "bind_layout", "match_rules", "outermost_roots", "tied_to_a_shard"]
 
 STYLES: dict[str, type] = {"tp": TensorParallelStyle, "cp": ContextParallelStyle, "ep": ExpertParallelStyle}
 """Mesh axis -> its parallelism's style (a new parallelism adds its room and one entry here)."""
@@ -166,6 +166,22 @@ def _is_planned_class(module: nn.Module, plan: ModulePlan, contract: Contract) -
         return True
     short = wanted.rpartition(".")[2]
     return any(k.__name__ == short for k in type(adapters.base_of(module)).__mro__)
+
+
+def match_rules(root: nn.Module, plan: ModulePlan) -> list[Bound]:
+    """The modules of ``root`` a plan slice names, before anything is lowered or bound: modules of
+    classes defined in the slice's module are matched from each instance of such a class that
+    holds the patterns (the report of :func:`hp_lazy.runtime.report.planned`)."""
+    found: dict[int, Bound] = {}
+    for prefix, sub in root.named_modules():
+        if type(sub).__module__ != plan.module or type(sub).__name__ not in plan.roots:
+            continue
+        matchers = _matchers(plan, sub)
+        for rel, module in sub.named_modules():
+            hits = [c for regex, c in matchers if regex.match(rel) and _is_planned_class(module, plan, c)]
+            if hits:
+                found.setdefault(id(module), (f"{prefix}.{rel}" if prefix and rel else prefix or rel, module, hits[0]))
+    return list(found.values())
 
 
 def _match(root: nn.Module, lowered: registry.Lowered) -> list[Bound]:

@@ -21,6 +21,14 @@ a rank that receives no rows still runs the backward all-to-all its peers wait f
 experts get zero gradients rather than ``None`` (weight decay still applies to them).
 Collectives per layer: forward 3 all-to-alls (counts, rows, rows back), backward 2.
 The per-expert counts of step 2 are kept on the module for :func:`~hp_lazy.runtime.ep.load.expert_load`.
+
+:func:`keep_local` is the region ``tp_experts``: the experts split by expert over ranks that hold
+the *same* tokens (the tp group). Nothing is sent: each rank runs the pairs routed to its own
+experts (one host sync, the count of those pairs), puts zeros in the others' slots, and the
+contract's exit all-reduce over tp sums the ranks' outputs; the entry's copy_to sums the input
+and routing-weight gradients. Per layer: the bytes of experts-TP (forward one all-reduce of
+``[T, H]``, backward one of ``[T, H]`` and one of ``[T, K]``) with whole experts, so each rank runs
+fewer, full-width expert GEMMs instead of a slice of every expert.
 """
 
 from __future__ import annotations
@@ -51,6 +59,8 @@ class Dispatch:
     num_global: int
     routing: tuple[str, str] = ("top_k_index", "top_k_weights")
     """The names of the class's forward parameters holding the top-k ids and weights."""
+    local: bool = False
+    """The ranks of ``group`` hold the same tokens (region ``tp_experts``): :func:`keep_local`."""
 
 
 class ExpertDispatch(_Module):
@@ -68,7 +78,8 @@ class ExpertDispatch(_Module):
                     f"{', '.join(spec.routing)}), got {len(args)} more positional and keywords {sorted(kwargs)}"
                 )
             index, weights = routing[spec.routing[0]], routing[spec.routing[1]]
-        return dispatch(self, super().forward, spec, hidden_states, index, weights)
+        run = keep_local if spec.local else dispatch
+        return run(self, super().forward, spec, hidden_states, index, weights)
 
 
 def connect(out: torch.Tensor, rows: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
@@ -102,6 +113,24 @@ def dispatch(
     back = all_to_all_v(out, group, recv_splits, send_splits)
     pairs = back[_inverse(order)].view(tokens, k, -1)
     return (pairs * w.unsqueeze(-1).to(pairs.dtype)).sum(1)
+
+
+def keep_local(
+    module: Any, experts_forward: Any, spec: Dispatch, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor
+) -> torch.Tensor:
+    tokens, k = idx.shape
+    flat = idx.reshape(-1)
+    module.__dict__[EP_LOAD] = torch.bincount(flat, minlength=spec.num_global).detach()
+    first = spec.group.rank * spec.num_local
+    mine = ((flat >= first) & (flat < first + spec.num_local)).nonzero().squeeze(1)  # the one host sync
+    ids = flat[mine] - first
+    by_expert = torch.argsort(ids, stable=True)
+    pairs = mine[by_expert]
+    rows = x[pairs // k]
+    out = experts_forward(rows, ids[by_expert][:, None], rows.new_ones(rows.shape[0], 1))
+    out = connect(out, rows, [p for p in module.parameters()])
+    slots = out.new_zeros(tokens * k, out.shape[-1]).index_add(0, pairs, out).view(tokens, k, -1)
+    return (slots * w.unsqueeze(-1).to(slots.dtype)).sum(1)
 
 
 def _inverse(perm: torch.Tensor) -> torch.Tensor:

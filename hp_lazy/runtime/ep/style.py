@@ -38,13 +38,13 @@ from torch import nn
 
 from hp_lazy.errors import ShardingError
 from hp_lazy.names import EP_DISPATCH
-from hp_lazy.plan.model import Contract
+from hp_lazy.plan.model import REGION_AXES, Contract, Region
 from hp_lazy.plan.placement import Shard
 from hp_lazy.runtime import adapters, leaves
 from hp_lazy.runtime.binding import Binding
 from hp_lazy.runtime.ep import aux
 from hp_lazy.runtime.ep.dispatch import Dispatch, ExpertDispatch
-from hp_lazy.runtime.mesh import EDP
+from hp_lazy.runtime.mesh import EDP, Group
 from hp_lazy.runtime.style import BindContext, params_matching
 
 FORWARD = ("hidden_states", "top_k_index", "top_k_weights")
@@ -75,6 +75,89 @@ def _whole(module: nn.Module, contract: Contract) -> set[str]:
     return {n for n, _ in module.named_parameters() if any(_under(n, k) for k in kept)}
 
 
+def check_region(fqn: str, module: nn.Module, contract: Contract, region: Region, ctx: BindContext) -> None:
+    """An experts region (``ep_dispatch`` over ep, ``tp_experts`` over tp) on a module it can run:
+    a transformers experts module whose expert count the axis divides, with the forward the region
+    replaces, every parameter cut on the axis or kept whole, and a dropless router."""
+    family = type(ctx.root).__qualname__
+    kind, axis = region.kind, REGION_AXES[region.kind]
+    cut = sorted(name for name, axes in contract.params.items() if isinstance(axes.get(axis), Shard))
+    ep = ctx.groups[axis].size
+    total = getattr(module, "num_experts", None)
+    if not isinstance(total, int) or isinstance(total, bool):
+        raise ShardingError(
+            f"{fqn} ({family}): the {kind} region needs a transformers experts module with an integer "
+            f"num_experts, found {type(module).__qualname__} with num_experts={total!r}; leave it out of {axis}"
+        )
+    if total % ep:
+        raise ShardingError(
+            f"{fqn} ({family}): num_experts={total} is not divisible by {axis}={ep}; use an {axis} that divides "
+            f"{total} (one of {[d for d in range(1, total + 1) if total % d == 0]})"
+        )
+    names = _forward_names(module)
+    if len(names) < 3 or any(name not in known for name, known in zip(names, ALIASES, strict=False)):
+        raise ShardingError(
+            f"{fqn} ({family}): the {kind} region replaces a forward(hidden states [T, H], top-k expert "
+            f"ids [T, K], top-k weights [T, K]) named {FORWARD} or {tuple(a[-1] for a in ALIASES)}, but "
+            f"{type(module).__qualname__}.forward takes {names}; leave these experts out of {axis}"
+        )
+    planned = {id(p) for name in cut for _, p in params_matching(module, name)}
+    whole = _whole(module, contract)
+    missing = [n for n in region.replicated if not any(_under(p, n) for p in whole)]
+    if missing:
+        raise ShardingError(
+            f"{fqn} ({family}): the plan keeps {missing} whole on every {axis} rank, but "
+            f"{type(module).__qualname__} has no such parameter or submodule with parameters; fix the plan"
+        )
+    both = sorted(n for n, p in module.named_parameters() if n in whole and id(p) in planned)
+    if both:
+        raise ShardingError(
+            f"{fqn} ({family}): the plan both cuts {both} on {axis} and keeps them whole on every rank (region "
+            "\"replicated\"); an expert shard is one or the other: remove it from one of the two"
+        )
+    tp_cut = sorted(name for name, axes in contract.params.items() if isinstance(axes.get("tp"), Shard))
+    if whole and tp_cut and axis == "ep":
+        raise ShardingError(
+            f"{fqn} ({family}): the plan keeps {sorted(whole)} whole inside experts it also cuts on tp "
+            f"({tp_cut}): they would run on each tp rank's partial expert outputs, which is not one process's "
+            "math; leave the experts unsharded on tp (drop their TP entries) or train without tp"
+        )
+    replicated = [n for n, p in module.named_parameters() if id(p) not in planned and n not in whole]
+    if replicated:
+        raise ShardingError(
+            f"{fqn} ({family}): its parameters {replicated} are not cut on {axis} (the plan cuts {cut}); the "
+            f"local experts would use them replicated, with gradients from this rank's {axis} group only; cut every "
+            f"expert parameter S(0) on {axis}, mark it replicated (region \"replicated\", transformers' "
+            f"'replicated_with_grad_allreduce'), or leave these experts out of {axis}"
+        )
+    config = getattr(module, "config", None) or getattr(ctx.root, "config", None)
+    for attr, value in sorted(vars(config).items()) if config is not None else ():
+        if any(word in attr for word in _DROPPING) and value not in (None, False, 0, 0.0):
+            raise ShardingError(
+                f"{fqn} ({family}): config.{attr}={value!r} drops tokens beyond an expert capacity, but the "
+                f"{kind} region is dropless (equal to one process only without dropping); set "
+                f"{attr} to None/0 or train without {axis}"
+            )
+
+
+def mount(module: nn.Module, group: Group, *, local: bool) -> None:
+    """The region's spec on the module; ``num_experts`` becomes the count this rank runs (the
+    class's own kernels index its slice with local ids)."""
+    total: int = module.num_experts  # type: ignore[assignment]
+    routing = _forward_names(module)[1:]
+    module.__dict__[EP_DISPATCH] = Dispatch(
+        group=group, num_local=total // group.size, num_global=total, routing=routing,  # type: ignore[arg-type]
+        local=local,
+    )
+    setattr(module, "num_experts", total // group.size)
+
+
+def attach_region(module: nn.Module, binding: Binding) -> None:
+    """The region in front of the class's own forward, inside the contract's entry/exit ops."""
+    module.__class__ = leaves.subclass(type(module), ExpertDispatch)
+    leaves.wrap_forward(module, binding)
+
+
 class ExpertParallelStyle:
     axis = "ep"
 
@@ -92,63 +175,7 @@ class ExpertParallelStyle:
                     "ids; add the region, or use Plan.auto(ep=...)"
                 )
             return
-        family = type(ctx.root).__qualname__
-        ep = ctx.groups["ep"].size
-        total = getattr(module, "num_experts", None)
-        if not isinstance(total, int) or isinstance(total, bool):
-            raise ShardingError(
-                f"{fqn} ({family}): the ep_dispatch region needs a transformers experts module with an integer "
-                f"num_experts, found {type(module).__qualname__} with num_experts={total!r}; leave it out of ep"
-            )
-        if total % ep:
-            raise ShardingError(
-                f"{fqn} ({family}): num_experts={total} is not divisible by ep={ep}; use an ep that divides "
-                f"{total} (one of {[d for d in range(1, total + 1) if total % d == 0]})"
-            )
-        names = _forward_names(module)
-        if len(names) < 3 or any(name not in known for name, known in zip(names, ALIASES, strict=False)):
-            raise ShardingError(
-                f"{fqn} ({family}): the ep_dispatch region replaces a forward(hidden states [T, H], top-k expert "
-                f"ids [T, K], top-k weights [T, K]) named {FORWARD} or {tuple(a[-1] for a in ALIASES)}, but "
-                f"{type(module).__qualname__}.forward takes {names}; leave these experts out of ep"
-            )
-        planned = {id(p) for name in cut for _, p in params_matching(module, name)}
-        whole = _whole(module, contract)
-        missing = [n for n in contract.region.replicated if not any(_under(p, n) for p in whole)]  # type: ignore[union-attr]
-        if missing:
-            raise ShardingError(
-                f"{fqn} ({family}): the plan keeps {missing} whole on every ep rank, but "
-                f"{type(module).__qualname__} has no such parameter or submodule with parameters; fix the plan"
-            )
-        both = sorted(n for n, p in module.named_parameters() if n in whole and id(p) in planned)
-        if both:
-            raise ShardingError(
-                f"{fqn} ({family}): the plan both cuts {both} on ep and keeps them whole on every rank (region "
-                "\"replicated\"); an expert shard is one or the other: remove it from one of the two"
-            )
-        tp_cut = sorted(name for name, axes in contract.params.items() if isinstance(axes.get("tp"), Shard))
-        if whole and tp_cut:
-            raise ShardingError(
-                f"{fqn} ({family}): the plan keeps {sorted(whole)} whole inside experts it also cuts on tp "
-                f"({tp_cut}): they would run on each tp rank's partial expert outputs, which is not one process's "
-                "math; leave the experts unsharded on tp (drop their TP entries) or train without tp"
-            )
-        replicated = [n for n, p in module.named_parameters() if id(p) not in planned and n not in whole]
-        if replicated:
-            raise ShardingError(
-                f"{fqn} ({family}): its parameters {replicated} are not cut on ep (the plan cuts {cut}); the local "
-                "experts would use them replicated, with gradients from this rank's ep group only; cut every "
-                "expert parameter S(0) on ep, mark it replicated (region \"replicated\", transformers' "
-                "'replicated_with_grad_allreduce'), or leave these experts out of ep"
-            )
-        config = getattr(module, "config", None) or getattr(ctx.root, "config", None)
-        for attr, value in sorted(vars(config).items()) if config is not None else ():
-            if any(word in attr for word in _DROPPING) and value not in (None, False, 0, 0.0):
-                raise ShardingError(
-                    f"{fqn} ({family}): config.{attr}={value!r} drops tokens beyond an expert capacity, but the "
-                    "ep_dispatch region is dropless (equal to one process only without dropping); set "
-                    f"{attr} to None/0 or train without ep"
-                )
+        check_region(fqn, module, contract, contract.region, ctx)  # type: ignore[arg-type]
 
     def replicas(self, fqn: str, module: nn.Module, contract: Contract, ctx: BindContext) -> dict[str, int]:
         return {}
@@ -158,20 +185,13 @@ class ExpertParallelStyle:
     ) -> None:
         if not _is_region(contract):
             return
-        total: int = module.num_experts  # type: ignore[assignment]
-        group = ctx.groups["ep"]
-        routing = _forward_names(module)[1:]
-        module.__dict__[EP_DISPATCH] = Dispatch(
-            group=group, num_local=total // group.size, num_global=total, routing=routing  # type: ignore[arg-type]
-        )
-        setattr(module, "num_experts", total // group.size)  # the class's kernels see the local experts only
+        mount(module, ctx.groups["ep"], local=False)
         self.experts.append((fqn, module, _whole(module, contract)))
 
     def attach(self, fqn: str, module: nn.Module, binding: Binding, ctx: BindContext) -> bool:
         if not _is_region(binding.contract):
             return False
-        module.__class__ = leaves.subclass(type(module), ExpertDispatch)
-        leaves.wrap_forward(module, binding)
+        attach_region(module, binding)
         return True
 
     def gradients(self, ctx: BindContext) -> None:

@@ -5,7 +5,9 @@
 - replicas: K/V heads kept on ``tp / kv`` ranks when tp > num_key_value_heads;
 - after partition: head counts the attention module caches, per-output vectors of a colwise
   Linear subclass (a vocab-sized ``logit_scale``) sharded like its rows;
-- attach: the vocab-parallel embedding leaf;
+- attach: the vocab-parallel embedding leaf; the ``tp_experts`` region (experts split by expert
+  over the tp ranks, :func:`hp_lazy.runtime.ep.dispatch.keep_local`), validated and mounted by
+  the expert room's functions;
 - gradients: which replicated parameters hold partial sums over tp (module docstring of
   :mod:`hp_lazy.runtime.grads`);
 - finish: the vocab-parallel loss when the logits stay sharded.
@@ -20,6 +22,7 @@ from hp_lazy.plan.model import Contract
 from hp_lazy.plan.placement import Shard
 from hp_lazy.runtime.adapters import base_of
 from hp_lazy.runtime.binding import Binding
+from hp_lazy.runtime.ep.style import attach_region, check_region, mount
 from hp_lazy.runtime.layout import plan_layout, shard_in_place
 from hp_lazy.runtime.sp.stack import scatters_output, sequence_sharded_params
 from hp_lazy.runtime.style import BindContext, params_matching
@@ -42,6 +45,8 @@ class TensorParallelStyle:
     axis = "tp"
 
     def validate(self, fqn: str, module: nn.Module, contract: Contract, ctx: BindContext) -> None:
+        if _is_region(contract):
+            check_region(fqn, module, contract, contract.region, ctx)  # type: ignore[arg-type]
         _refuse_feature_statistics(fqn, module, shards_on(contract, "tp"))
         _refuse_expert_layouts(fqn, module, contract)
         check_projections(fqn, module, contract, ctx.groups)
@@ -52,12 +57,17 @@ class TensorParallelStyle:
     def after_partition(
         self, fqn: str, module: nn.Module, contract: Contract, ctx: BindContext, replicas: dict[str, int]
     ) -> None:
+        if _is_region(contract):
+            mount(module, ctx.groups["tp"], local=True)
         _shard_row_vectors(fqn, module, ctx)
         fit_attention_heads(fqn, module, contract, ctx.groups, replicas)
 
     def attach(self, fqn: str, module: nn.Module, binding: Binding, ctx: BindContext) -> bool:
         if isinstance(module, nn.Embedding) and vocab_sharded(module, binding):
             install_vocab_parallel(module, binding)
+            return True
+        if _is_region(binding.contract):
+            attach_region(module, binding)
             return True
         return False
 
@@ -106,6 +116,10 @@ class TensorParallelStyle:
                 )
             setattr(ctx.root, "loss_function", VocabParallelCausalLMLoss(group, group.rank * module.weight.shape[0]))
 
+
+
+def _is_region(contract: Contract) -> bool:
+    return contract.region is not None and contract.region.kind == "tp_experts"
 
 
 def _deferred(module: nn.Module, contract: Contract) -> list[nn.Parameter]:

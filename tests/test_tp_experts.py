@@ -1,0 +1,72 @@
+"""Experts split by expert over the tp ranks (``Plan.auto(tp=N)``'s region ``tp_experts``, read
+from the release's ``base_model_ep_plan`` on transformers 5.24 and 5.25 alike): each tp rank holds
+``1/N`` of the experts whole and runs the (token, slot) pairs routed to them; the exit all-reduce
+sums the ranks' parts. One process's loss, logits, routing, every gradient and 3 SGD+wd steps;
+expert bytes per rank ``1/N`` (``hp_lazy.layout``); no all-to-all; a confused expert range fails."""
+
+from __future__ import annotations
+
+import epwork
+import models
+import parity
+import pytest
+from dist import DistPool, pool_fixture
+
+pool2 = pool_fixture(2, timeout=120)
+pool4 = pool_fixture(4, timeout=180)
+
+
+@pytest.fixture(scope="module")
+def tp2(pool2: DistPool, tmp_path_factory):
+    return parity.once(pool2, epwork.activate, tp=2), str(tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture(scope="module")
+def tp4(pool4: DistPool, tmp_path_factory):
+    return parity.once(pool4, epwork.activate, tp=4), str(tmp_path_factory.mktemp("models"))
+
+
+def _experts(name: str) -> int:
+    extra = models.MORE_CONFIGS[name][1]
+    return extra.get("num_experts") or extra.get("num_local_experts") or extra["n_routed_experts"]
+
+
+@pytest.mark.parametrize(("name", "impl"), [("qwen3_moe8", "grouped_mm"), ("qwen2_moe", "eager"),
+                                            ("gpt_oss", "eager"), ("glm4_moe_lite", "grouped_mm")])
+def test_tp2_matches_one_process(tp2, name: str, impl: str) -> None:
+    """Qwen3-MoE (grouped_mm kernel), Qwen2-MoE (shared expert), GPT-OSS (expert biases, its
+    router_indices / routing_weights names), GLM-4-MoE-Lite (MLA heads beside, sigmoid routing)."""
+    pool, root = tp2
+    results, ref = epwork.check(pool, models.build(name, root), impl)
+    assert results[0]["local_experts"] == [_experts(name) // 2] * len(ref["routing"])
+
+
+@pytest.mark.parametrize(("name", "impl"), [("qwen3_moe8", "grouped_mm"), ("gpt_oss", "eager")])
+def test_tp4_matches_one_process(tp4, name: str, impl: str) -> None:
+    pool, root = tp4
+    results, ref = epwork.check(pool, models.build(name, root), impl)
+    assert results[0]["local_experts"] == [_experts(name) // 4] * len(ref["routing"])
+
+
+def test_expert_bytes_per_rank_and_collectives(tp2) -> None:
+    """Every expert parameter: this rank holds half its bytes; one all-reduce per MoE layer out
+    (the exit's) and no all-to-all: the tokens are already on every tp rank."""
+    pool, root = tp2
+    got = pool.run(epwork.held, models.build("qwen3_moe8", root))
+    for mine in got:
+        assert mine["experts"] and all(2 * held == full for held, full in mine["experts"].values()), mine["experts"]
+        assert "all_to_all" not in mine["ops"]["forward"] and "all_to_all" not in mine["ops"]["backward"]
+        assert "model.layers.0.mlp.experts.gate_up_proj" in mine["text"] and "0.500x" in mine["text"]
+    assert got[0]["held"] < 0.6 * got[0]["full"], got[0]
+
+
+def test_confused_expert_ranges_fail_parity(tp2) -> None:
+    """Negative control: every rank runs its pairs as if it held the first experts."""
+    pool, root = tp2
+    path = models.build("qwen3_moe8", root)
+    data = epwork.batch()
+    ref = epwork.reference(path, data, "eager")
+    got = pool.run(epwork.train_misrouted, path, data)[0]
+    assert models.rel_err(got["loss"], ref["loss"]) > parity.TOL
+    with pytest.raises(AssertionError, match="experts"):
+        parity.compare(got, ref)
