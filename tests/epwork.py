@@ -381,15 +381,19 @@ def expert_axes(family: str, **degrees: int) -> list[str]:
 def held(rank: int, world: int, path: str) -> dict[str, Any]:
     """``hp_lazy.layout(model)`` of the bound model: per expert parameter (held, full) bytes, the
     whole-model totals and the printed table; and the collectives of one fwd+bwd."""
+    import warnings
+
     import hp_lazy
 
     model = hp_lazy.parallelize(load(path))
     report = hp_lazy.layout(model)
-    with hp_lazy.collective_counter() as counter:
-        model(**batch()).loss.backward()
+    with warnings.catch_warnings(record=True) as caught, hp_lazy.collective_counter() as counter:
+        warnings.simplefilter("always")
+        model(**batch()).loss.backward()  # the first forward: the input check's gather too
     return {"experts": {r.name: (r.held, r.full) for r in report.rows if ".experts." in r.name},
             "held": report.held_bytes, "full": report.full_bytes, "text": str(report),
-            "ops": {phase: counter.by_phase(phase) for phase in ("forward", "backward")}}
+            "ops": {phase: counter.by_phase(phase) for phase in ("forward", "backward")},
+            "warnings": [str(w.message) for w in caught if "torch.distributed" in str(w.message)]}
 
 
 def train_misrouted(rank: int, world: int, path: str, data: dict[str, Any]) -> dict[str, Any]:

@@ -78,3 +78,9 @@ def test_benchmark_smoke(script: str, variants: tuple[str, ...], tmp_path: Path)
         assert all(float(r[3]) <= 1e-4 for r in named), named
     if script == "coverage.py":  # the tp=2 parity run of the family passes
         assert named[0][1] == "pass", named
+
+
+def test_release_check_smoke(tmp_path: Path) -> None:
+    out = _run("release_check.py", tmp_path)
+    assert "| torch | " in out and "| transformers | " in out
+    assert re.search(r"\| tests/test_plan_auto.py \| 1 \| 0 \| 0 \| \d+ \|", out), out

@@ -91,6 +91,32 @@ def test_check_auto_llama() -> None:
     assert "-> LlamaAttention: tp_collective" in out.stdout and "-> LlamaMLP: " in out.stdout
 
 
+def test_layout_prints_placements_and_bytes_per_rank(tmp_path: Path) -> None:
+    """A saved Qwen3-MoE at tp=2: every expert weight split by expert (0.500x per rank), the router
+    whole on every rank and listed as such; the same model at ep=2 takes --ep (every axis the API
+    takes)."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    import models
+
+    path = models.build("qwen3_moe", str(tmp_path))
+    out = _cli("layout", path, "--plan", "auto", "--tp", "2")
+    assert out.returncode == 0, out.stderr
+    row = next(line for line in out.stdout.splitlines() if line.startswith("model.layers.1.mlp.experts.gate_up_proj"))
+    assert row.split()[-2:] == ["S(0)", "0.500x"], row
+    assert "whole on every rank: " in out.stdout and "mlp.gate.weight" in out.stdout
+    out = _cli("layout", path, "--plan", "auto", "--ep", "2")
+    assert out.returncode == 0, out.stderr
+    row = next(line for line in out.stdout.splitlines() if line.startswith("model.layers.1.mlp.experts.down_proj"))
+    assert row.split()[-2:] == ["S(0)", "0.500x"], row
+    out = _cli("check", "transformers.models.llama.modeling_llama", "--plan", "auto", "--cp", "2")
+    assert out.returncode == 0, out.stderr
+
+
+def test_layout_without_a_config_exits_1(tmp_path: Path) -> None:
+    out = _cli("layout", str(tmp_path), "--plan", "auto", "--tp", "2")
+    assert out.returncode == 1 and "no model config to read" in out.stderr and "Traceback" not in out.stderr
+
+
 def test_cache_info_and_clear(tmp_path: Path) -> None:
     from hp_lazy.hook.cache import Cache
 

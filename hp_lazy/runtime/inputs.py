@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hp_lazy.errors import ShardingError
+from hp_lazy.runtime.comm import wire
 from hp_lazy.runtime.mesh import Group
 
 VALUES_ENV = "HP_LAZY_CHECK_INPUTS"
@@ -73,7 +74,7 @@ class InputCheck:
         device = found[0][1].device if found else torch.device("cpu")
         local = torch.tensor(mine, dtype=torch.float64, device=device)
         everyone = torch.empty(self.group.size * 2, dtype=torch.float64, device=device)
-        dist.all_gather_into_tensor(everyone, local, group=self.group.pg)
+        wire.gather_control(everyone, local, self.group)
         rows = everyone.view(self.group.size, 2).tolist()
         if all(row == rows[0] for row in rows):
             self.checked = signature

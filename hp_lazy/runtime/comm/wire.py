@@ -168,6 +168,13 @@ def all_gather(x: torch.Tensor, g: Group, dim: int, phase: Phase | None) -> torc
     return out.view(g.size * x.shape[0], *x.shape[1:]) if dim == 0 else torch.cat(out.unbind(0), dim=dim)
 
 
+def gather_control(out: torch.Tensor, x: torch.Tensor, g: Group) -> None:
+    """Every rank's ``x`` into ``out`` (``[W * n]``), uncounted: control traffic (the input
+    check), through torch's current single-tensor gather (``all_gather_single`` where torch has it;
+    ``all_gather_into_tensor`` warns that it is deprecated)."""
+    _gather_single(out, x, group=g.pg)
+
+
 def _gather_stacked(x: torch.Tensor, g: Group, phase: Phase | None) -> torch.Tensor:
     """``[...] -> [W, ...]``: every rank's ``x`` in rank order."""
     _record("all_gather", phase, x)
