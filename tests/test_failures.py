@@ -2,7 +2,7 @@
 
 - Token ids outside the vocabulary and out-of-range labels raise the plain model's ``IndexError``
   (the vocab-parallel embedding and loss would otherwise zero them silently);
-- ranks of one tp group given different shapes (or, with ``HP_LAZY_CHECK_INPUTS=1``, different
+- ranks of one tp group given different shapes (or, by default on the first forward, different
   ids) raise a ``ShardingError`` naming the input and every rank's shape, instead of aborting inside
   gloo or training on a mix of batches;
 - a rank whose binding fails makes every rank raise, instead of leaving its peers in a collective;
@@ -112,13 +112,18 @@ def test_different_shapes_on_the_ranks_of_a_tp_group_are_a_sharding_error(ready,
     assert pool.run(_forward, path, [models.batch()] * 2) == ["ok", "ok"]
 
 
-def test_different_ids_of_one_shape_are_caught_when_asked_for(ready) -> None:
+def test_different_ids_of_one_shape_are_caught_by_default(ready) -> None:
+    """The first forward compares a digest of the values too (by default); HP_LAZY_CHECK_INPUTS=0
+    compares shapes only (the opt-out: the mix then trains silently, a negative control), =1 on
+    every forward."""
     pool, path = ready
     ids = [models.batch(seed=1), models.batch(seed=2)]
-    assert pool.run(_forward, path, ids) == ["ok", "ok"]  # the default compares shapes only
-    got = pool.run(_forward, path, ids, env={"HP_LAZY_CHECK_INPUTS": "1"})
-    assert got[0] == got[1] and "input 'input_ids' has the same shape on every rank but different values" in got[0]
+    for env in ({}, {"HP_LAZY_CHECK_INPUTS": "1"}):
+        got = pool.run(_forward, path, ids, env=env)
+        assert got[0] == got[1] and "input 'input_ids' has the same shape on every rank but different values" in got[0]
+    assert pool.run(_forward, path, ids, env={"HP_LAZY_CHECK_INPUTS": "0"}) == ["ok", "ok"]
     same = [models.batch(seed=1)] * 2
+    assert pool.run(_forward, path, same) == ["ok", "ok"]
     assert pool.run(_forward, path, same, env={"HP_LAZY_CHECK_INPUTS": "1"}) == ["ok", "ok"]
 
 

@@ -117,3 +117,32 @@ def test_a_plan_never_names_code(where: str) -> None:
     with pytest.raises(PlanError, match=r"injections|unknown key 'local_compute_fn'"):
         Plan.from_dict(data)
     assert "hp_lazy_never_imported_module" not in sys.modules
+
+
+def test_a_partial_sum_leaving_a_boundary_is_refused() -> None:
+    """The exit all-reduce dropped (out_dst P(sum)): validated, bound and run before, 0.5 off."""
+    body = {**ATTN, "out_dst": {"output": P}}
+    with pytest.raises(PlanError) as info:
+        check("model.layers.*.self_attn", body)
+    assert str(info.value) == (
+        "model.layers.*.self_attn: out_dst['output'] is P(sum) on tp, a partial sum crossing the boundary: the output "
+        "would leave each rank holding its part while the code after it reads a whole value; set out_dst['output'] "
+        "to 'R' on tp (an all-reduce at the exit), or to the sequence shard 'S(1)' inside a sequence-parallel layer "
+        "stack (a reduce-scatter)")
+    embed = {**EMBED, "out_dst": {"output": P}}
+    with pytest.raises(PlanError, match=r"^model.embed_tokens: out_dst\['output'\] is P\(sum\) on tp"):
+        check("model.embed_tokens", embed, "torch.nn.Embedding")
+
+
+def test_a_partial_sum_declared_on_entry_is_refused() -> None:
+    """Into sharded parameters the entry check refuses it; into a boundary that shards nothing (where
+    P(sum) -> R would be an all-reduce), the crossing check: nothing before a boundary makes one."""
+    with pytest.raises(PlanError, match=r"P\(sum\) -> R into sharded params has no collective"):
+        check("model.layers.*.self_attn", {**ATTN, "in_src": {"hidden_states": P}})
+    body = {"in_src": {"hidden_states": P}, "in_dst": {"hidden_states": R}}
+    with pytest.raises(PlanError) as info:
+        check("model.norm", body, "Norm")
+    assert str(info.value) == (
+        "model.norm: in_src['hidden_states'] is P(sum) on tp, a partial sum crossing the boundary: "
+        "every value reaches a boundary whole or sharded, and the entry would sum it over the ranks; declare "
+        "in_src['hidden_states'] as what arrives, 'R' on tp (or the stack's sequence shard)")

@@ -66,6 +66,10 @@ def mutants(plan: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
             add(f"{pattern}: out_src R", lambda m, at=at: at(m)["out_src"].update(output={"tp": "R"}))
         if "out_dst" in body:
             add(f"{pattern}: out_dst S(1)", lambda m, at=at: at(m)["out_dst"].update(output={"tp": "S(1)"}))
+        # a partial sum leaving the boundary (the exit all-reduce dropped), or one declared on entry
+        add(f"{pattern}: out_dst P(sum)", lambda m, at=at: at(m).setdefault("out_dst", {}).update(output={"tp": "P(sum)"}))
+        for name in body.get("in_src", {}):
+            add(f"{pattern}: in_src {name} P(sum)", lambda m, n=name, at=at: at(m)["in_src"].update({n: {"tp": "P(sum)"}}))
         for field in ("deferred_bias_params", "grad_sum_params", "optional_params"):
             if field in body:
                 add(f"{pattern}: {field} dropped", lambda m, f=field, at=at: at(m).pop(f))

@@ -155,6 +155,10 @@ def test_paths_that_cannot_be_read(tmp_path: Path) -> None:
     with pytest.raises(PlanError, match=rf"^plan file '{tmp_path}': cannot be read \(Is a directory\); pass JSON "
                                         r"text, the path of an existing \.json plan file"):
         Plan.from_json(tmp_path)
+    fifo = tmp_path / "plan.json"
+    os.mkfifo(fifo)  # no writer: a blocking open would wait forever
+    with pytest.raises(PlanError, match=r"cannot be read \(not a regular file\)"):
+        Plan.from_json(fifo)
     with pytest.raises(PlanError, match=r"^plan file '/dev/null': cannot be read \(not a regular file\)"):
         Plan.from_json("/dev/null")
     with pytest.raises(PlanError, match=r"^plan file 'a\\x00b': cannot be read \(a path holds no NUL character\)"):

@@ -208,3 +208,21 @@ def test_generate_with_kv_cache_matches_one_process(pool: DistPool, root: str) -
     got = pool.run(_generate, path)
     assert expected.shape == (1, 14)
     assert all(torch.equal(tokens, expected) for tokens in got)
+
+
+def test_unbound_answers_introspection_with_attribute_error() -> None:
+    """hasattr, copy and deepcopy of a lowered class's unbound default see an ordinary object; a real
+    use (a group, an op) still raises hp_lazy's message."""
+    import copy
+
+    import pytest
+
+    from hp_lazy.errors import ShardingError
+    from hp_lazy.runtime.rt import unbound
+
+    value = unbound("LlamaAttention")
+    assert not hasattr(value, "__deepcopy__")
+    assert repr(copy.deepcopy(value)) == repr(copy.copy(value)) == "<hp_lazy unbound LlamaAttention>"
+    with pytest.raises(ShardingError, match="^LlamaAttention: this forward was lowered by hp_lazy but runs on an "
+                                             "instance that was never bound"):
+        _ = value.tp

@@ -64,6 +64,8 @@ def _check_sharded_crossings(contract: Contract, cls: str, stacks: list[Contract
     crossings = [("in_src", n) for n in contract.in_src] + [("out_dst", "output")]
     for side, name in crossings:
         for axis, placement in getattr(contract, side).get(name, {}).items():
+            if isinstance(placement, Partial):
+                _refuse_partial_crossing(contract, side, name, axis, placement)
             if not isinstance(placement, Shard):
                 continue
             if side == "out_dst" and placement.dim == -1 and cls.rpartition(".")[2] == "Linear":
@@ -76,6 +78,23 @@ def _check_sharded_crossings(contract: Contract, cls: str, stacks: list[Contract
                     f"scatters and gathers that dim (a sequence-parallel layer stack with in_dst and out_src "
                     f"{placement}); use 'R', or plan the stack (Plan.auto(sequence_parallel=True))"
                 )
+
+
+def _refuse_partial_crossing(contract: Contract, side: str, name: str, axis: str, placement: Partial) -> None:
+    """A partial sum never crosses a boundary: between boundaries runs code hp_lazy does not rewrite
+    (residual adds, norms, the loss), which reads each rank's part as the whole value; and nothing
+    there produces one, so an input declared partial would be summed tp-fold on entry."""
+    if side == "out_dst":
+        fix = (f"set out_dst['output'] to 'R' on {axis} (an all-reduce at the exit), or to the sequence shard "
+               "'S(1)' inside a sequence-parallel layer stack (a reduce-scatter)")
+        what = "the output would leave each rank holding its part while the code after it reads a whole value"
+    else:
+        fix = f"declare in_src[{name!r}] as what arrives, 'R' on {axis} (or the stack's sequence shard)"
+        what = "every value reaches a boundary whole or sharded, and the entry would sum it over the ranks"
+    raise PlanError(
+        f"{contract.pattern}: {side}[{name!r}] is {placement} on {axis}, a partial sum crossing the boundary: "
+        f"{what}; {fix}"
+    )
 
 
 def check_contract(contract: Contract, cls: str, mesh: Mapping[str, int]) -> None:

@@ -7,6 +7,7 @@ validation, ``slice`` for the per-module part) and none of them imports it.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -158,9 +159,14 @@ def _read_file(label: str, path: str) -> str:
     if "\0" in path:
         raise PlanError(f"{label}: cannot be read (a path holds no NUL character); pass JSON text or a file's path")
     try:
-        with open(path, "rb") as handle:
-            if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # a FIFO must not block the open
+        with open(fd, "rb") as handle:
+            mode = os.fstat(handle.fileno()).st_mode
+            if stat.S_ISDIR(mode):
+                raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR))
+            if not stat.S_ISREG(mode):
                 raise PlanError(f"{label}: cannot be read (not a regular file); pass the path of a .json plan file")
+            os.set_blocking(fd, True)
             data = handle.read()
     except OSError as exc:  # missing, a directory, no permission: only trying tells
         raise PlanError(

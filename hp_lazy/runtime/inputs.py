@@ -5,10 +5,12 @@ same batch. Different sequence lengths or batch sizes under sequence parallel wo
 inside the backend with no Python traceback; different ids would train on a mix of batches with a
 different loss per rank. :class:`InputCheck` runs in the bound root's prologue: on the first
 forward, and on any forward whose input shapes differ from the last checked ones, it all-gathers
-one small digest of the inputs' names, shapes and dtypes over the group (two numbers per rank,
-no data) and raises a :class:`~hp_lazy.errors.ShardingError` naming each differing input and
-every rank's shape. With ``HP_LAZY_CHECK_INPUTS=1`` it also compares a digest of the inputs'
-values on every forward (one more small all-gather per step).
+one small digest of the inputs' names, shapes and dtypes and of their values over the group (two
+numbers per rank) and raises a :class:`~hp_lazy.errors.ShardingError` naming each differing input
+and every rank's shape. A step whose shapes are the ones checked costs a tuple comparison and no
+collective. ``HP_LAZY_CHECK_INPUTS``: ``1`` compares the values on every forward (one small
+all-gather per step), ``0`` compares shapes only (the values are not read: no pass over the
+inputs, no host sync on the first forward); unset, the default above.
 
 The check is skipped inside ``torch.compile`` (a graph would break on it): a compiled model is
 checked by its eager first forward, which ``parallelize``-then-compile or lazy binding both run.
@@ -50,7 +52,7 @@ def tensors(values: Mapping[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def _value_digest(t: torch.Tensor) -> float:
-    flat = t.detach().reshape(-1).to(torch.float64)
+    flat = torch.nan_to_num(t.detach().reshape(-1).to(torch.float64))  # a NaN equals itself here
     weights = torch.arange(flat.numel(), device=flat.device, dtype=torch.float64).remainder_(1021).add_(1)
     return float(flat.sum()) + float((flat * weights).sum())
 
@@ -61,13 +63,17 @@ class InputCheck:
     def __init__(self, owner: str, group: Group, *, values: bool | None = None) -> None:
         self.owner = owner
         self.group = group
-        self.values = os.environ.get(VALUES_ENV, "0").strip() not in ("", "0") if values is None else values
+        mode = os.environ.get(VALUES_ENV, "").strip()
+        self.every = mode not in ("", "0") if values is None else values
+        """Values compared on every forward, not only when the shapes change."""
+        self.values = mode != "0" or bool(values)
+        """Values compared at all (``HP_LAZY_CHECK_INPUTS=0``: shapes only)."""
         self.checked: Signature | None = None
 
     def __call__(self, args: Mapping[str, Any]) -> None:
         found = list(tensors(args))
         signature: Signature = tuple((n, tuple(t.shape), str(t.dtype)) for n, t in found)
-        if signature == self.checked and not self.values:
+        if signature == self.checked and not self.every:
             return
         digests = [_value_digest(t) for _, t in found] if self.values else []
         mine = [float(zlib.crc32(repr(signature).encode())), sum(d * (i + 1) for i, d in enumerate(digests))]

@@ -58,6 +58,8 @@ class Unbound:
         self.qualname = qualname
 
     def __getattr__(self, name: str) -> NoReturn:
+        if name.startswith("__") and name.endswith("__"):  # introspection (copy, pickle, hasattr of a protocol)
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         raise ShardingError(
             f"{self.qualname}: this forward was lowered by hp_lazy but runs on an instance that was never "
             "bound (its parameters are not sharded, it has no process group); call "
