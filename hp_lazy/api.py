@@ -112,7 +112,11 @@ def _register(module_name: str, module_plan: Any, source_sha256: str) -> None:
     from hp_lazy.runtime import registry
     from hp_lazy.runtime.checkpoint import load
 
-    registry.register(module_name, module_plan, source_sha256)
+    plan = active_plan()
+    required: tuple[str, ...] = ()
+    if plan is not None and plan.auto_flags is None and plan.hash == module_plan.plan_hash:
+        required = tuple(c.pattern for c in plan.boundaries if not c.optional)
+    registry.register(module_name, module_plan, source_sha256, required)
     load.patch_transformers(module_name)  # from_pretrained reads each rank's slices (shard-on-read)
 
 

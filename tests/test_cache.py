@@ -6,7 +6,6 @@ import errno
 import logging
 import os
 import stat
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -156,7 +155,7 @@ def test_write_failure_falls_back_without_leftovers(
     """A read-only file system (EROFS on write): memory fallback, no temp file left."""
     real_replace = os.replace
 
-    def read_only(src: str, dst: str) -> None:
+    def read_only(src: str, dst: str, **dir_fds: int) -> None:
         raise OSError(errno.EROFS, "Read-only file system")
 
     monkeypatch.setattr(cache_mod.os, "replace", read_only)
@@ -213,18 +212,23 @@ def test_env_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_temp_files_are_unique_per_writer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    names: list[str] = []
-    real = tempfile.mkstemp
+    """Each write has its own temp name, renamed onto the entry through the checked directory's
+    descriptor (never by path: the levels were checked through descriptors)."""
+    renames: list[tuple[str, str, dict]] = []
+    real = os.replace
 
-    def spy(**kwargs):
-        fd, name = real(**kwargs)
-        names.append(name)
-        return fd, name
+    def spy(src, dst, **dir_fds):
+        renames.append((src, dst, dir_fds))
+        real(src, dst, **dir_fds)
 
-    monkeypatch.setattr(cache_mod.tempfile, "mkstemp", spy)
+    monkeypatch.setattr(cache_mod.os, "replace", spy)
     cache = Cache(tmp_path / "c", "rw")
     key = cache_key(**BASE)
     for _ in range(2):
         cache.store(key, BASE["module"], SRC_SHA, _code(), BASE["origin"])
-    assert len(set(names)) == 2 and all(Path(n).parent == cache.path_for(key, BASE["module"]).parent for n in names)
+    entry = cache.path_for(key, BASE["module"]).name
+    assert len({src for src, _, _ in renames}) == 2
+    for src, dst, dir_fds in renames:
+        assert "/" not in src and src.startswith(entry + ".") and src.endswith(".tmp") and dst == entry
+        assert set(dir_fds) == {"src_dir_fd", "dst_dir_fd"} and dir_fds["src_dir_fd"] == dir_fds["dst_dir_fd"]
     assert cache.stats().temp_files == 0

@@ -25,7 +25,7 @@ import pytest
 
 from hp_lazy.errors import HpLazyError
 from hp_lazy.hook import cache as cache_mod
-from hp_lazy.hook.cache import Cache, CacheTrustError, CacheTrustWarning, cache_key
+from hp_lazy.hook.cache import Cache, CacheKeyWarning, CacheTrustError, CacheTrustWarning, cache_key
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0,
                                 reason="simulates another user with chown, which needs root")
@@ -245,6 +245,48 @@ def test_root_owned_cache_is_trusted_for_reads_only(planted: Planted, monkeypatc
     _assert_refused(planted, f"{planted.root}: owned by uid 0, not you (uid 1000),")
     _chown_tree(planted.root, OTHER)
     _assert_refused(planted, f"owned by uid {OTHER}, not you (uid 1000) or root,", mode="ro")
+
+
+def test_a_shared_root_cache_with_a_readable_key_hits_for_its_readers(
+    planted: Planted, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As uid 1000: root populated the cache and made its key readable (0644): ro readers hit; the same
+    key is still refused in rw mode and for root's own use (a private key is the rule there); a
+    group/world-writable key is refused in every mode."""
+    planted.key_file.chmod(0o644)
+    monkeypatch.setattr(cache_mod.os, "geteuid", lambda: 1000)
+    assert Cache(planted.root, "ro").load(planted.key, MODULE, SRC_SHA) is not None
+    monkeypatch.setattr(cache_mod.os, "geteuid", lambda: 0)
+    _assert_refused(planted, f"{planted.key_file}: mode 0o644 lets group/others at it")
+    monkeypatch.setattr(cache_mod.os, "geteuid", lambda: 1000)
+    planted.key_file.chmod(0o666)
+    _assert_refused(planted, f"{planted.key_file}: mode 0o666 is group/world-writable", mode="ro")
+
+
+def test_a_key_the_reader_cannot_open_is_said_once(planted: Planted, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A shared cache whose owner kept the key private (0600 root): a non-root reader gets EACCES
+    (simulated: these tests run as root, which the kernel lets through) and would silently miss on
+    every import; one CacheKeyWarning says so, with the fix."""
+    real = cache_mod.read_key
+
+    def denied(root_fd, shown, trust):
+        raise PermissionError(13, "Permission denied", str(shown))
+
+    monkeypatch.setattr(cache_mod, "read_key", denied)
+    cache = Cache(planted.root, "ro")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            assert cache.load(planted.key, MODULE, SRC_SHA) is None
+    texts = [str(w.message) for w in caught if w.category is CacheKeyWarning]
+    assert texts == [
+        f"hp_lazy: cannot read the cache key {planted.key_file} (Permission denied), so no entry of {planted.root} "
+        "can be verified and every planned import is lowered again; in a shared read-only cache its owner makes the "
+        f"key readable (chmod 0644 {planted.key_file}; readers set HP_LAZY_CACHE=ro), else set HP_LAZY_CACHE_DIR to a "
+        "directory of your own"
+    ]
+    monkeypatch.setattr(cache_mod, "read_key", real)
+    assert Cache(planted.root, "ro").load(planted.key, MODULE, SRC_SHA) is not None  # the control: readable, it hits
 
 
 def test_strict_raises_with_the_text(planted: Planted, monkeypatch: pytest.MonkeyPatch) -> None:

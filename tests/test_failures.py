@@ -175,7 +175,7 @@ _ABSENT_PEER = textwrap.dedent(
     try:
         model(input_ids=models.batch())
     except Exception as exc:
-        print(f"RAISED after {time.monotonic() - start:.1f}s: {type(exc).__name__}", flush=True)
+        print(f"RAISED after {time.monotonic() - start:.1f}s: {type(exc).__name__}: {exc}", flush=True)
         os._exit(3)
     print("NO ERROR", flush=True)
     """
@@ -205,3 +205,5 @@ def test_a_rank_that_never_arrives_makes_its_peer_raise_within_the_timeout(tmp_p
     waited = float(out.split("RAISED after ")[1].split("s:")[0])
     print(f"peer raised after {waited:.1f}s")
     assert waited < 30, out  # bounded by HP_LAZY_PG_TIMEOUT_S (4 s), not torch's 30 minutes
+    assert ("ShardingError: hp_lazy mesh tp2/world2: rank 0 came to build the mesh (the first model bound under "
+            "this plan), but rank(s) [1] of 2 did not within 4 s") in out, out  # named, not torch's DistStoreError

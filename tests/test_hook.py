@@ -27,7 +27,12 @@ import hp_lazy  # noqa: E402
 from hp_lazy.errors import PlanError  # noqa: E402
 from hp_lazy.hook import api  # noqa: E402
 from hp_lazy.hook.cache import Cache  # noqa: E402
-from hp_lazy.hook.finder import ForeignLoaderWarning, HpLazyFinder, NameMatcher  # noqa: E402
+from hp_lazy.hook.finder import (  # noqa: E402
+    ForeignLoaderWarning,
+    HpLazyFinder,
+    NameMatcher,
+    UnmatchedModelingWarning,
+)
 from hp_lazy.hook.loader import HookState, HpLazyLoader  # noqa: E402
 from hp_lazy.plan import AutoFlags  # noqa: E402
 
@@ -238,6 +243,32 @@ def test_name_matcher() -> None:
     assert match("a.b") and not match("a.bc") and not match("a")
     assert match("transformers.models.llama.modeling_llama")
     assert not match("transformers.models.llama.configuration_llama")
+
+
+def test_a_modeling_import_before_any_match_warns_once() -> None:
+    """A glob with a typo (or a plan for another family): the first transformers modeling module
+    imported while nothing matched warns, naming it and the plan's modules; the check is by name
+    (find_spec answers None for a non-target before any finder or file is touched)."""
+    finder = HpLazyFinder(None, NameMatcher(["transformers.models.lama.*"]))  # type: ignore[arg-type]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert finder.find_spec("transformers.models.auto.modeling_auto", None) is None  # the name map: no warning
+        assert finder.find_spec("transformers.models.llama.configuration_llama", None) is None
+        assert finder.find_spec("transformers.models.llama.modeling_llama", None) is None
+        assert finder.find_spec("transformers.models.mistral.modeling_mistral", None) is None  # once
+    texts = [str(w.message) for w in caught if w.category is UnmatchedModelingWarning]
+    assert texts == [
+        "hp_lazy: transformers.models.llama.modeling_llama is imported, but plan.modules ['transformers.models.lama.*'] "
+        "has matched no module so far, so its models run unparallelized; fix plan.modules (e.g. "
+        "'transformers.models.llama.modeling_llama' or 'transformers.models.*.modeling_*'), or ignore this if that "
+        "model is meant to run whole"
+    ]
+    matched = HpLazyFinder(None, NameMatcher(["pkg_that_matches"]))  # type: ignore[arg-type]
+    matched._matched_any = True  # a target was imported already: later modeling imports are the user's business
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        matched.find_spec("transformers.models.llama.modeling_llama", None)
+    assert not [w for w in caught if w.category is UnmatchedModelingWarning]
 
 
 def test_non_targets_and_foreign_loaders_are_left_alone(toy, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -19,7 +19,8 @@ from dist import DistPool, pool_fixture
 
 pool2 = pool_fixture(2, timeout=180)
 
-FAMILIES = {"llama_bias": ("llama", "LlamaForCausalLM"), "qwen3": ("qwen3", "Qwen3ForCausalLM")}
+FAMILIES = {"llama_bias": ("llama", "LlamaForCausalLM"), "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+            "qwen3_moe": ("qwen3_moe", "Qwen3MoeForCausalLM")}
 
 
 def explicit_plan(family: str) -> dict[str, Any]:
@@ -70,6 +71,10 @@ def mutants(plan: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
         add(f"{pattern}: out_dst P(sum)", lambda m, at=at: at(m).setdefault("out_dst", {}).update(output={"tp": "P(sum)"}))
         for name in body.get("in_src", {}):
             add(f"{pattern}: in_src {name} P(sum)", lambda m, n=name, at=at: at(m)["in_src"].update({n: {"tp": "P(sum)"}}))
+        if body.get("skip_source_lowering"):
+            add(f"{pattern}: skip_source_lowering dropped", lambda m, at=at: at(m).pop("skip_source_lowering"))
+        if "region" in body:
+            add(f"{pattern}: region dropped", lambda m, at=at: at(m).pop("region"))
         for field in ("deferred_bias_params", "grad_sum_params", "optional_params"):
             if field in body:
                 add(f"{pattern}: {field} dropped", lambda m, f=field, at=at: at(m).pop(f))
@@ -183,3 +188,70 @@ def test_a_planned_parameter_the_model_lacks_is_refused(pool2: DistPool, refs, t
     plan = dict(mutants(explicit_plan("llama")))[f"{ATTN}: unknown param"]
     got = pool2.run(_run, "llama", "LlamaForCausalLM", plan, path, models.batch(), str(tmp_path / "cache"))
     assert all("the plan shards parameter 'nope' but the module has none" in r.get("refused", "") for r in got), got
+
+
+EXPERTS = "model.layers.*.mlp.experts"
+
+
+@pytest.mark.parametrize(("what", "text"), [
+    ("region dropped", r"model.layers.(\d).mlp.experts.\w+: the plan cuts this \[num_experts=4, ...\] tensor by "
+                       r"expert \(S\(0\) on tp\), but model.layers.\1.mlp.experts has no experts region"),
+    ("param down_proj S(0) flipped", r"model.layers.\d.mlp.experts \(Qwen3MoeForCausalLM\): the tp_experts region "
+                                     r"splits the experts over tp by expert, but the plan cuts down_proj \(shape "
+                                     r"\[4, \d+, \d+\]\) S\(1\) on tp, not on its expert dim \(0, num_experts=4\)"),
+    ("skip_source_lowering dropped", r"PlanError: model.layers.\*.mlp.experts.region: kind 'tp_experts' replaces the "
+                                     r"module's compute at run time .* add \"skip_source_lowering\": true"),
+])
+def test_experts_mutants_are_refused_by_name(pool2: DistPool, refs, tmp_path, what: str, text: str) -> None:
+    import re
+
+    path, _ = refs("qwen3_moe")
+    plan = dict(mutants(explicit_plan("qwen3_moe")))[f"{EXPERTS}: {what}"]
+    got = pool2.run(_run, "qwen3_moe", "Qwen3MoeForCausalLM", plan, path, models.batch(), str(tmp_path / "cache"))
+    for result in got:
+        assert re.search(text, result.get("refused", "")), result
+
+
+def _shared(plan: dict[str, Any], *others: str) -> dict[str, Any]:
+    """``plan`` also naming other modeling modules: contracts that resolve nowhere there are sliced away
+    quietly (the plan may serve several families), so a wrong one is only seen at bind."""
+    mutant = copy.deepcopy(plan)
+    mutant["modules"] += [f"transformers.models.{f}.modeling_{f}" for f in others]
+    return mutant
+
+
+def _renamed(plan: dict[str, Any], old: str, new: str) -> dict[str, Any]:
+    mutant = copy.deepcopy(plan)
+    mutant["boundaries"][new] = mutant["boundaries"].pop(old)
+    mutant["boundary_classes"][new] = mutant["boundary_classes"].pop(old)
+    return mutant
+
+
+@pytest.mark.parametrize(("case", "text"), [
+    ("pattern typo", r"LlamaForCausalLM: the plan's boundaries 'model.layer.\*.self_attn' \(no module at a path it "
+                     r"matches is a LlamaAttention\) match no module of this model .* so what they plan would run "
+                     r"whole on every rank; fix the pattern .* or mark a boundary \"optional\""),
+    ("class the model lacks", r"LlamaForCausalLM: the plan's boundaries 'model.layers.\*.self_attn' \(sliced away: "
+                              r"no class of \['transformers.models.llama.modeling_llama'\] resolves it, or none is the "
+                              r"one its boundary_classes names\) match no module of this model"),
+    ("optional", None),
+])
+def test_a_boundary_that_matches_nothing_is_refused(pool2: DistPool, refs, tmp_path, case: str, text: str | None) -> None:
+    import re
+
+    path, ref = refs("llama_bias")
+    plan = _shared(explicit_plan("llama"), "mistral")
+    if case == "class the model lacks":  # a class of the other family: sliced away in llama's module
+        plan["boundary_classes"][ATTN] = "MistralAttention"
+    else:
+        plan = _renamed(plan, ATTN, "model.layer.*.self_attn")
+        plan["boundaries"][ATTN] = copy.deepcopy(plan["boundaries"]["model.layer.*.self_attn"])
+        plan["boundary_classes"][ATTN] = plan["boundary_classes"]["model.layer.*.self_attn"]
+        if case == "optional":  # a boundary only some of the plan's families have: marked, it may match nothing
+            plan["boundaries"]["model.layer.*.self_attn"]["optional"] = True
+    got = pool2.run(_run, "llama", "LlamaForCausalLM", plan, path, models.batch(), str(tmp_path / "cache"))
+    if text is None:
+        assert _verdict(got, ref) == "match", got[0].get("refused") or got[0].get("crashed")
+        return
+    for result in got:
+        assert re.search(text, result.get("refused", "")), result

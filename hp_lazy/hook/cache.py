@@ -20,8 +20,9 @@ File, format 2 (little-endian)::
     ..     payload: marshal.dumps(code)
 
 A reader checks every header field, then the HMAC, and only then unmarshals; any failure is a miss
-(logged at debug), never a crash. Writes go to a unique 0600 temp file in the entry's directory and
-``os.replace`` it, so ranks importing at once neither corrupt nor block each other (no locks); a
+(logged at debug), never a crash. Writes go to a unique 0600 temp file created through the checked
+descriptor of the entry's directory and renamed onto the entry through it (``os.replace`` with
+``src_dir_fd``/``dst_dir_fd``), so ranks importing at once neither corrupt nor block each other (no locks); a
 ``*.tmp`` older than 10 minutes (a killed writer's) is removed by the next write to its directory.
 
 Trust model: an entry is code that runs as you on import, so it is used only if no one but you
@@ -34,6 +35,11 @@ symlink to ``/dev/zero`` cannot hang an import). ``<root>/key`` holds 32 random 
 by the first writer and must stay private (no group/other bits): a file written without it - by
 another user through a hole this model missed, or by another tool running as you - fails the HMAC
 and is a miss. Directories hp_lazy creates are 0700 whatever the umask.
+
+A shared read-only cache (populated by root, read by everyone with ``HP_LAZY_CACHE=ro``): a root-owned
+key may be readable by others there (``chmod 0644 <root>/key``; never writable), since the root-owned,
+not-writable tree is what keeps others from writing entries. A key a reader cannot open is said once
+(:class:`CacheKeyWarning`, with that fix) instead of every import silently lowering again.
 
 A location that fails these checks is never read again by this process: lowered code is kept in
 memory and one :class:`CacheTrustWarning` names the path, what is wrong and the fix
@@ -57,12 +63,12 @@ import json
 import logging
 import marshal
 import os
+import secrets
 import shutil
 import socket
 import stat
 import struct
 import sys
-import tempfile
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -76,6 +82,7 @@ from hp_lazy.hook.trust import (
     FILE_FLAGS,
     KEY_NAME,
     MAX_ENTRY,
+    NEW_FLAGS,
     CacheTrustError,
     Mode,
     Trust,
@@ -97,6 +104,11 @@ _HEADER = struct.Struct("<4sHH4s32s32s32sI")
 _MAC = slice(76, 108)  # the HMAC field of _HEADER
 _SUFFIX = ".hplz"
 _LAYOUT = "v1"
+
+
+class CacheKeyWarning(UserWarning):
+    """The cache's key cannot be read (a shared cache whose owner kept it private): no entry can be
+    verified, so every planned import lowers again."""
 
 
 class CacheTrustWarning(UserWarning):
@@ -181,6 +193,7 @@ class Cache:
         self._secret: bytes | None = None  # the contents of <root>/key, once read
         self._writable = True  # False once a write failed (logged once)
         self._distrust: CacheTrustError | None = None  # set: the disk is never used again
+        self._key_warned = False
 
     # -- paths -------------------------------------------------------------------------------
     def path_for(self, key: str, module: str) -> Path:
@@ -218,7 +231,12 @@ class Cache:
         """(entry bytes, key) after every trust check; FileNotFoundError while there is no key."""
         trust = Trust.for_mode(self.mode)
         with self._levels(path, trust, create=False) as (root_fd, dir_fd):
-            secret = self._key(root_fd, trust, create=False)
+            try:
+                secret = self._key(root_fd, trust, create=False)
+            except PermissionError as exc:
+                if not isinstance(exc, CacheTrustError):
+                    self._warn_key(exc)
+                raise
             fix = f"remove it (rm {path}); the next run writes a fresh one"
             return read_file(path.name, dir_fd, path, trust, fix, limit=MAX_ENTRY), secret
 
@@ -245,7 +263,7 @@ class Cache:
         with self._levels(path, trust, create=True) as (root_fd, dir_fd):
             blob = encode(self._key(root_fd, trust, create=True))
             sweep_stale(dir_fd, trust.euid)
-            _write_atomic(path, blob)
+            _write_atomic(dir_fd, path.name, blob)
 
     # -- trust -------------------------------------------------------------------------------
     @contextmanager
@@ -283,6 +301,19 @@ class Cache:
         if self._distrust is None:
             warnings.warn(str(exc), CacheTrustWarning, stacklevel=3)
         self._distrust = exc
+
+    def _warn_key(self, exc: PermissionError) -> None:
+        if self._key_warned:
+            return
+        self._key_warned = True
+        key = self.root / KEY_NAME
+        warnings.warn(
+            f"hp_lazy: cannot read the cache key {key} ({exc.strerror}), so no entry of {self.root} can be verified "
+            f"and every planned import is lowered again; in a shared read-only cache its owner makes the key readable "
+            f"(chmod 0644 {key}; readers set HP_LAZY_CACHE=ro), else set HP_LAZY_CACHE_DIR to a directory of your own",
+            CacheKeyWarning,
+            stacklevel=4,
+        )
 
     def _fall_back(self, why: str) -> None:
         if self._writable:
@@ -390,17 +421,19 @@ def read_meta(path: Path) -> dict[str, object] | None:
         return None
 
 
-def _write_atomic(path: Path, blob: bytes) -> None:
-    """A 0600 temp file in the (checked) entry directory, then ``os.replace``."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+def _write_atomic(dir_fd: int, name: str, blob: bytes) -> None:
+    """A 0600 temp file in the checked entry directory, then a rename onto ``name``, both through
+    the directory's descriptor (the path is never looked up again after the checks)."""
+    tmp = f"{name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    fd = os.open(tmp, NEW_FLAGS, 0o600, dir_fd=dir_fd)
     try:
         with os.fdopen(fd, "wb") as handle:
             os.fchmod(handle.fileno(), 0o600)
             handle.write(blob)
-        os.replace(tmp, path)
+        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except BaseException:
         try:
-            os.unlink(tmp)
+            os.unlink(tmp, dir_fd=dir_fd)
         except OSError:
             pass
         raise

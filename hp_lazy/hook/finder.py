@@ -38,6 +38,18 @@ class ForeignLoaderWarning(UserWarning):
     """A planned module is loaded by another tool's loader, so hp_lazy cannot lower it."""
 
 
+class UnmatchedModelingWarning(UserWarning):
+    """A transformers modeling module is imported while the plan has matched no module yet: its
+    models would run unparallelized."""
+
+
+def _is_modeling(name: str) -> bool:
+    """``transformers.models.<family>.modeling_<...>`` (not ``auto``, which only maps names)."""
+    parts = name.split(".")
+    return len(parts) == 4 and parts[:2] == ["transformers", "models"] and parts[2] != "auto" and \
+        parts[3].startswith("modeling_")
+
+
 class NameMatcher:
     """Exact names in a frozenset, globs (:mod:`hp_lazy.plan.fqn`: ``*`` stays inside one dotted
     segment, ``**`` spans segments) in one regex."""
@@ -61,15 +73,34 @@ class HpLazyFinder:
         self.state = state
         self.matches = matcher
         self._busy = threading.local()
+        self._matched_any = False
 
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
     ) -> ModuleSpec | None:
         if fullname == DYNAMIC_MODULE_UTILS:
             return self._watch_dynamic_module_utils(fullname, path, target)
-        if not self.matches(fullname) or getattr(self._busy, "on", False):
+        if not self.matches(fullname):
+            if not self._matched_any and fullname.startswith("transformers.models.") and _is_modeling(fullname):
+                self._warn_unmatched(fullname)
             return None
+        if getattr(self._busy, "on", False):
+            return None
+        self._matched_any = True
         return self.adopt(self._delegate(fullname, path, target))
+
+    def _warn_unmatched(self, fullname: str) -> None:
+        """Once per activation: the first modeling module imported while the plan's modules
+        matched nothing (a typo in a glob or a name, or a plan for another family)."""
+        self._matched_any = True  # said once
+        warnings.warn(
+            f"hp_lazy: {fullname} is imported, but plan.modules {sorted(self.matches.exact | set(self.matches.globs))} "
+            "has matched no module so far, so its models run unparallelized; fix plan.modules (e.g. "
+            "'transformers.models.llama.modeling_llama' or 'transformers.models.*.modeling_*'), or ignore this if "
+            "that model is meant to run whole",
+            UnmatchedModelingWarning,
+            stacklevel=2,
+        )
 
     def adopt(self, spec: ModuleSpec | None) -> ModuleSpec | None:
         """Swap the loader of a planned source module's spec for hp_lazy's; else leave it."""

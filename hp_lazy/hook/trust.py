@@ -179,8 +179,12 @@ def read_bounded(fd: int, limit: int) -> bytes:
 
 
 def read_key(root_fd: int, shown: Path, trust: Trust) -> bytes:
+    """The secret, private to its owner, except a root-owned key read in ``ro`` mode: a shared
+    cache's, which its readers must read (``chmod 0644``; still never writable); the root-owned,
+    not-writable tree is what keeps others from writing entries there."""
     fix = f"remove it (rm {shown}); the next write makes a new key, and entries signed with the old one become misses"
-    secret = read_file(KEY_NAME, root_fd, shown, trust, fix, limit=4096, private=True)
+    shared = trust.root_ok and os.stat(KEY_NAME, dir_fd=root_fd, follow_symlinks=False).st_uid == 0
+    secret = read_file(KEY_NAME, root_fd, shown, trust, fix, limit=4096, private=not shared)
     if len(secret) != KEY_BYTES:
         raise refusal(shown, f"holds {len(secret)} bytes, not {KEY_BYTES}", fix)
     return secret

@@ -87,7 +87,7 @@ def classify(contract: Contract, facts: ForwardFacts, mesh: Mapping[str, int]) -
         raise PlanError(
             f"{contract.pattern}.region: kind {contract.region.kind!r} replaces the module's compute at run time "
             "(runtime/ep), so its class is not rewritten from source; add \"skip_source_lowering\": true to the "
-            "boundary (Plan.auto(ep=...) does)"
+            "boundary (Plan.auto does)"
         )
     axes = active_axes(mesh)
     in_ops, out_ops = _in_ops(contract, facts, axes), exit_ops(contract, axes)

@@ -127,6 +127,10 @@ class Contract:
     turn off): absent, they are skipped; any other planned parameter that matches nothing is an error."""
     skip_source_lowering: bool = False
     """Bind the contract at run time only (leaf modules, shared classes); do not rewrite source."""
+    optional: bool = False
+    """The boundary may be absent from a model (a plan shared across families). Otherwise a model
+    that binds with no module matching the pattern is refused: the plan asked for a split that
+    would not happen."""
     inner: InnerOp | None = None
     """An op at the attention call inside the body (context parallel); refused until implemented."""
     region: Region | None = None
@@ -159,6 +163,8 @@ class Contract:
                 out[name] = list(getattr(self, name))
         if self.skip_source_lowering:
             out["skip_source_lowering"] = True
+        if self.optional:
+            out["optional"] = True
         if self.inner is not None:
             out["inner"] = self.inner.to_dict()
         if self.region is not None:

@@ -46,8 +46,8 @@ from hp_lazy.plan.transitions import output_index
 TOP_KEYS = ("version", "mesh", "modules", "boundaries", "boundary_classes", "auto")
 PLACEMENT_SIDES = ("in_src", "in_dst", "out_src", "out_dst", "params")
 CONTRACT_KEYS = (
-    *PLACEMENT_SIDES, "deferred_bias_params", "grad_sum_params", "optional_params", "skip_source_lowering", "inner",
-    "region",
+    *PLACEMENT_SIDES, "deferred_bias_params", "grad_sum_params", "optional_params", "skip_source_lowering", "optional",
+    "inner", "region",
 )
 INNER_KEYS = ("call", "kind")
 REGION_KEYS = ("kind",)
@@ -224,9 +224,10 @@ def contract_from_dict(pattern: str, data: object, mesh: Mapping[str, int]) -> C
     where = f"plan.boundaries[{shown(pattern)}]"
     body = _check_keys(where, data, CONTRACT_KEYS)
     sides = {side: _parse_side(where, side, body.get(side, {}), mesh) for side in PLACEMENT_SIDES}
-    skip = body.get("skip_source_lowering", False)
-    if not isinstance(skip, bool):
-        raise PlanError(f"{where}.skip_source_lowering: {shown(skip)} is not true/false; fix the plan")
+    skip, optional = body.get("skip_source_lowering", False), body.get("optional", False)
+    for key, value in (("skip_source_lowering", skip), ("optional", optional)):
+        if not isinstance(value, bool):
+            raise PlanError(f"{where}.{key}: {shown(value)} is not true/false; fix the plan")
     contract = Contract(
         pattern=pattern,
         **sides,
@@ -234,6 +235,7 @@ def contract_from_dict(pattern: str, data: object, mesh: Mapping[str, int]) -> C
         grad_sum_params=_parse_names(f"{where}.grad_sum_params", body.get("grad_sum_params", [])),
         optional_params=_parse_names(f"{where}.optional_params", body.get("optional_params", [])),
         skip_source_lowering=skip,
+        optional=optional,
         inner=_parse_inner(f"{where}.inner", body["inner"]) if "inner" in body else None,
         region=_parse_region(f"{where}.region", body["region"]) if "region" in body else None,
     )

@@ -7,6 +7,7 @@ in a transformers module, every class deriving from the module's ``PreTrainedMod
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Protocol
@@ -118,8 +119,30 @@ def _overridden(
             f"{facts.module}: boundary_classes[{contract.pattern!r}] = {name!r} is not a class defined in the "
             f"module; name a class of {facts.module} or a dotted name such as 'torch.nn.Linear'"
         )
+    if not local:
+        _check_imported_class(facts.module, contract.pattern, name)
     _check_forward(facts, contract.pattern, name, local)
     return _Applied(contract, name, local, starts)
+
+
+def _check_imported_class(module: str, pattern: str, name: str) -> None:
+    """A dotted class (``torch.nn.Linear``) whose module is imported must be there; nothing is
+    imported to find out (a plan runs no code). One whose module is not imported is left to bind,
+    where a boundary no module matches is refused."""
+    parts = name.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        owner = sys.modules.get(".".join(parts[:cut]))
+        if owner is None:
+            continue
+        found: object = owner
+        for attr in parts[cut:]:
+            found = getattr(found, attr, None)
+        if not isinstance(found, type):
+            raise PlanError(
+                f"{module}: boundary_classes[{pattern!r}] = {name!r}, but {'.'.join(parts[:cut])} has no class "
+                f"{'.'.join(parts[cut:])!r}; fix the class name (e.g. 'torch.nn.Linear')"
+            )
+        return
 
 
 def _check_forward(facts: ModuleFacts, pattern: str, name: str, local: bool) -> None:

@@ -63,6 +63,7 @@ def bind_layout(model: nn.Module) -> BoundModel:
     try:
         for (prefix, root, lowered), mesh in zip(roots, meshes, strict=True):
             contexts.append((prefix, *_bind_root(root, lowered, mesh)))
+        _refuse_unmatched(model, roots, [ctx for _, ctx, _ in contexts])
     except Exception as exc:  # agreed on below, then raised on every rank
         failure = exc
     _agree(model, roots, failure)
@@ -77,6 +78,36 @@ def bind_layout(model: nn.Module) -> BoundModel:
             styles.setdefault(axis, style)
     return BoundModel(mesh=meshes[0], table=table, roots=tuple(root for _, root, _ in roots), styles=styles,
                       partial=partial)
+
+
+def _refuse_unmatched(
+    model: nn.Module, roots: list[tuple[str, nn.Module, registry.Lowered]], contexts: list[BindContext]
+) -> None:
+    """Every boundary of an explicit plan (:attr:`registry.Lowered.required`) matches a module of
+    the model that binds, unless it is marked ``optional``: a pattern typo, a boundary sliced away
+    in every module the plan names, or a ``boundary_classes`` entry naming a class the model does
+    not use would otherwise leave those modules whole on every rank, silently. (``Plan.auto``
+    derives its boundaries from the model's own TP/EP plans, where a config may leave a planned
+    module out.)"""
+    required = {pattern for _, _, lowered in roots for pattern in lowered.required}
+    matched = {contract.pattern for ctx in contexts for _, _, contract in ctx.bound}
+    missing = sorted(required - matched)
+    if not missing:
+        return
+    classes = {pattern: cls for _, _, lowered in roots for pattern, cls in lowered.plan.classes.items()}
+    modules = sorted({lowered.module for _, _, lowered in roots})
+    named = [n for n, _ in model.named_modules()][1:6]
+    lines = [
+        f"{p!r} (no module at a path it matches is a {classes[p]})" if p in classes
+        else f"{p!r} (sliced away: no class of {modules} resolves it, or none is the one its boundary_classes names)"
+        for p in missing
+    ]
+    raise ShardingError(
+        f"{type(model).__qualname__}: the plan's boundaries {'; '.join(lines)} match no module of this model (its "
+        f"modules are named like {named}), so what they plan would run whole on every rank; fix the pattern "
+        "(relative to the top-level model) or boundary_classes, or mark a boundary \"optional\": true when the "
+        "plan is shared by models that lack it"
+    )
 
 
 def _merge_table(table: LayoutTable | None, ctx: BindContext, prefix: str) -> LayoutTable:
@@ -264,6 +295,7 @@ def _partition(
             layout = plan_layout(full, shape, placements, ctx.groups, replicas=held)
             if not layout.shards:
                 continue
+            _refuse_experts_cut_without_region(fqn, module, contract, full, shape, placements)
             if earlier is not None and earlier.shards != layout.shards:
                 raise ShardingError(
                     f"{full}: this parameter is tied to {earlier.fqn}, laid out {earlier.describe()}, but the plan "
@@ -272,6 +304,25 @@ def _partition(
             ctx.table.add(layout)
             ctx.by_param[id(param)] = layout
             shard_in_place(param, layout)
+
+
+def _refuse_experts_cut_without_region(
+    fqn: str, module: nn.Module, contract: Contract, full: str, shape: tuple[int, ...], placements: Any
+) -> None:
+    """An experts module's ``[num_experts, ...]`` tensor cut on its expert dim runs only under an
+    experts region (which routes each token to the rank holding its expert): the module's own
+    forward indexes experts by their global ids, which this rank's slice does not hold."""
+    total = getattr(adapters.base_of(module), "num_experts", None)
+    if contract.region is not None or not isinstance(total, int) or len(shape) < 2 or shape[0] != total:
+        return
+    for axis, placement in sorted(placements.items()):
+        if isinstance(placement, Shard) and placement.normalized(len(shape)).dim == 0:
+            raise ShardingError(
+                f"{full}: the plan cuts this [num_experts={total}, ...] tensor by expert ({placement} on {axis}), "
+                f"but {fqn} has no experts region, and its own forward indexes experts this rank does not hold; "
+                f"add the region {{\"kind\": \"{'ep_dispatch' if axis == 'ep' else 'tp_experts'}\"}} "
+                "to the contract (or cut the experts inside, on dim 1 or 2)"
+            )
 
 
 def _defer_biases(fqn: str, module: nn.Module, contract: Contract) -> tuple[tuple[nn.Module, str], ...]:

@@ -314,9 +314,44 @@ def get_mesh(degrees: Mapping[str, int]) -> Mesh:
     key = (*sorted((a, int(n)) for a, n in degrees.items()), ("world", world))
     mesh = _MESHES.get(key)
     if mesh is None:
-        mesh = _build(mesh_shape(degrees, world), world, int(degrees.get("ep", 1)))
+        shape = mesh_shape(degrees, world)
+        if shape:
+            await_world("/".join(f"{a}{n}" for a, n in key))
+        mesh = _build(shape, world, int(degrees.get("ep", 1)))
         _MESHES[key] = mesh
     return mesh
+
+
+def await_world(key: str) -> None:
+    """Before the first collective of a new mesh (every rank creates its groups together): each rank
+    marks its arrival in the default store and waits up to :func:`pg_timeout` for the others; a rank
+    that never comes (it failed, or only some ranks build the model) is named in hp_lazy's error
+    instead of torch's ``DistStoreError``, which names none. Setting a rank's key is idempotent, so
+    a rank that retries after an error arrives again."""
+    store = _default_store()
+    if store is None:
+        return
+    world, rank = dist.get_world_size(), dist.get_rank()
+    keys = [f"hp_lazy/arrive/{key}/{r}" for r in range(world)]
+    store.set(keys[rank], "1")
+    limit = pg_timeout()
+    try:
+        store.wait(keys, limit)
+    except Exception as exc:  # torch raises DistStoreError (a RuntimeError) on timeout
+        missing = [r for r, k in enumerate(keys) if not store.check([k])]
+        raise ShardingError(
+            f"hp_lazy mesh {key}: rank {rank} came to build the mesh (the first model bound under this plan), but "
+            f"rank(s) {missing} of {world} did not within {limit.total_seconds():g} s ({type(exc).__name__}); "
+            "every rank must build the model (from_pretrained / hp_lazy.parallelize) — look for an exception on "
+            f"those ranks or a branch that builds it on some ranks only (or raise {TIMEOUT_ENV} if they are only slow)"
+        ) from exc
+
+
+def _default_store() -> Any:
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError):
+        return None
 
 
 def _build(shape: tuple[tuple[str, int], ...], world: int, ep: int) -> Mesh:

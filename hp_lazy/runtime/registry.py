@@ -17,13 +17,17 @@ class Lowered:
     module: str
     plan: ModulePlan
     source_sha256: str
+    required: tuple[str, ...] = ()
+    """The patterns of the whole explicit plan (not only this slice) that a model binding under it
+    must match, the ones not marked ``optional``; empty for ``Plan.auto``."""
 
 
 _LOWERED: dict[str, Lowered] = {}
 
 
-def register(module_name: str, module_plan: ModulePlan, source_sha256: str) -> None:
-    _LOWERED[module_name] = Lowered(module=module_name, plan=module_plan, source_sha256=source_sha256)
+def register(module_name: str, module_plan: ModulePlan, source_sha256: str, required: tuple[str, ...] = ()) -> None:
+    _LOWERED[module_name] = Lowered(module=module_name, plan=module_plan, source_sha256=source_sha256,
+                                    required=required)
 
 
 def lookup(module_name: str) -> Lowered | None:

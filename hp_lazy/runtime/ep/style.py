@@ -75,6 +75,24 @@ def _whole(module: nn.Module, contract: Contract) -> set[str]:
     return {n for n, _ in module.named_parameters() if any(_under(n, k) for k in kept)}
 
 
+def _check_by_expert(
+    fqn: str, family: str, module: nn.Module, contract: Contract, kind: str, axis: str, total: int
+) -> None:
+    """The region hands each rank whole experts: every parameter it cuts on ``axis`` is cut on its
+    expert dim (``S(0)`` of an ``[num_experts, ...]`` tensor), never inside one expert."""
+    for name, axes in sorted(contract.params.items()):
+        cut = axes.get(axis)
+        if not isinstance(cut, Shard):
+            continue
+        for pname, param in params_matching(module, name):
+            if param.ndim < 2 or cut.normalized(param.ndim).dim != 0 or param.shape[0] != total:
+                raise ShardingError(
+                    f"{fqn} ({family}): the {kind} region splits the experts over {axis} by expert, but the plan "
+                    f"cuts {pname} (shape {list(param.shape)}) {cut} on {axis}, not on its expert dim (0, "
+                    f"num_experts={total}); write S(0) on {axis} for it, or leave it whole (region \"replicated\")"
+                )
+
+
 def check_region(fqn: str, module: nn.Module, contract: Contract, region: Region, ctx: BindContext) -> None:
     """An experts region (``ep_dispatch`` over ep, ``tp_experts`` over tp) on a module it can run:
     a transformers experts module whose expert count the axis divides, with the forward the region
@@ -101,6 +119,7 @@ def check_region(fqn: str, module: nn.Module, contract: Contract, region: Region
             f"ids [T, K], top-k weights [T, K]) named {FORWARD} or {tuple(a[-1] for a in ALIASES)}, but "
             f"{type(module).__qualname__}.forward takes {names}; leave these experts out of {axis}"
         )
+    _check_by_expert(fqn, family, module, contract, kind, axis, total)
     planned = {id(p) for name in cut for _, p in params_matching(module, name)}
     whole = _whole(module, contract)
     missing = [n for n in region.replicated if not any(_under(p, n) for p in whole)]
