@@ -9,7 +9,10 @@ thread while the other ranks wait), which cancels the drift of a shared machine.
 
   ref_solo    plain model, one process, one thread (the baseline of every ratio; the numeric reference)
   ref_both    plain model on every rank at once (how much the ranks slow each other down; 2+ ranks)
-  hp_lazy     hp_lazy.activate("auto", tp=world), then AutoModelForCausalLM.from_pretrained
+  hp_lazy     hp_lazy.activate("auto", tp=world), then AutoModelForCausalLM.from_pretrained; the tp ranks'
+              inputs are compared by value digest on the first forward and when shapes change (the default)
+  hp_lazy_digest  the same model class, loaded again under HP_LAZY_CHECK_INPUTS=1: the input digest on EVERY
+              step (one small all-gather + a pass over the ids); its ratio to hp_lazy is what the check costs
   hf_tp       transformers' own TP: from_pretrained(tp_plan="auto") (needs `pip install --no-deps accelerate
               psutil`; skipped with a message without it); on 1 rank its plan is applied to a 1-rank mesh
   dtensor_tp  torch parallelize_module, torchtitan recipe (colwise q/k/v/gate/up, rowwise o/down,
@@ -55,8 +58,9 @@ from typing import Any
 
 PLAIN_NAME = "transformers.models.llama._plain_modeling_llama"
 REAL_NAME = "transformers.models.llama.modeling_llama"
-ALL_VARIANTS = ("ref_solo", "ref_both", "hp_lazy", "hf_tp", "dtensor_tp", "bare_tp")
-TP_VARIANTS = ("hp_lazy", "hf_tp", "dtensor_tp", "bare_tp")
+ALL_VARIANTS = ("ref_solo", "ref_both", "hp_lazy", "hp_lazy_digest", "hf_tp", "dtensor_tp", "bare_tp")
+TP_VARIANTS = ("hp_lazy", "hp_lazy_digest", "hf_tp", "dtensor_tp", "bare_tp")
+HP_VARIANTS = ("hp_lazy", "hp_lazy_digest")
 
 
 @dataclass(frozen=True)
@@ -237,9 +241,10 @@ def load_variants(variants: list[str], path: str, rank: int, world: int) -> tupl
         raise RuntimeError(f"{REAL_NAME} was imported before hp_lazy.activate; it would not be lowered")
     loaded = {"ref": Loaded(plain.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32), plain_or_full_grads)}
     failed: dict[str, str] = {}
-    for v in sorted((v for v in variants if v in TP_VARIANTS), key=lambda v: v == "hp_lazy"):  # hp_lazy last
+    for v in sorted((v for v in variants if v in TP_VARIANTS), key=lambda v: (v in HP_VARIANTS, v)):  # hp_lazy last
         try:
-            loaded[v] = _load_hp_lazy(path, world, plain) if v == "hp_lazy" else _load_plain(v, plain, path, rank, world)
+            loaded[v] = (_load_hp_lazy(path, world, plain, every_step=v == "hp_lazy_digest") if v in HP_VARIANTS
+                         else _load_plain(v, plain, path, rank, world))
         except Exception as error:  # one broken variant must not hide the others
             why = str(error).splitlines()[0][:300] if str(error) else ""
             failed[v] = why if isinstance(error, _Skip) else f"{type(error).__name__}: {why}"
@@ -262,17 +267,22 @@ def _load_plain(variant: str, plain: Any, path: str, rank: int, world: int) -> L
     return Loaded(model, install_bare_tp(model, rank, world))
 
 
-def _load_hp_lazy(path: str, world: int, plain: Any) -> Loaded:
+def _load_hp_lazy(path: str, world: int, plain: Any, *, every_step: bool = False) -> Loaded:
+    """hp_lazy's model; ``every_step``: its input check digests the inputs on every forward
+    (``HP_LAZY_CHECK_INPUTS=1`` while it binds), not only on the first and on a shape change."""
     import importlib
 
     import torch
     import transformers
 
     import hp_lazy
+    from hp_lazy.names import INPUT_CHECK
+    from hp_lazy.runtime.inputs import VALUES_ENV
 
-    # --hp-embedding: "vocab" (default, like transformers' tp_plan) or "replicated" (bare_tp's layout)
-    vocab = os.environ.get("HP_LAZY_BENCH_EMBEDDING", "vocab") == "vocab"
-    hp_lazy.activate(hp_lazy.Plan.auto(tp=world, vocab_parallel_embedding=vocab))
+    if REAL_NAME not in sys.modules:  # the first hp_lazy variant activates; the second reuses the lowered module
+        # --hp-embedding: "vocab" (default, like transformers' tp_plan) or "replicated" (bare_tp's layout)
+        vocab = os.environ.get("HP_LAZY_BENCH_EMBEDDING", "vocab") == "vocab"
+        hp_lazy.activate(hp_lazy.Plan.auto(tp=world, vocab_parallel_embedding=vocab))
     real = importlib.import_module(REAL_NAME)
     if getattr(real, "__hp_lazy__", None) is None:
         raise RuntimeError(f"{REAL_NAME} was not imported through hp_lazy's hook")
@@ -280,8 +290,20 @@ def _load_hp_lazy(path: str, world: int, plain: Any) -> Loaded:
         raise RuntimeError(f"{REAL_NAME} was not lowered by hp_lazy")
     if hasattr(plain.LlamaMLP, "_hp_form") or real.LlamaMLP is plain.LlamaMLP:
         raise RuntimeError(f"{PLAIN_NAME} was lowered too; the plain variants would not be plain")
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    return Loaded(hp_lazy.parallelize(model), hp_lazy.full_grads)
+    before = os.environ.pop(VALUES_ENV, None)
+    if every_step:
+        os.environ[VALUES_ENV] = "1"
+    try:
+        model = hp_lazy.parallelize(transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
+        checks = [m.__dict__[INPUT_CHECK] for m in model.modules() if INPUT_CHECK in m.__dict__]
+        if world > 1 and (not checks or any(c.every != every_step for c in checks)):
+            raise RuntimeError(f"{REAL_NAME}: the input check does not digest {'every' if every_step else 'the first'} "
+                               "step as this variant needs")
+        return Loaded(model, hp_lazy.full_grads)
+    finally:
+        os.environ.pop(VALUES_ENV, None)
+        if before is not None:
+            os.environ[VALUES_ENV] = before
 
 
 # ---------------------------------------------------------------------------------------------- the worker
@@ -313,6 +335,7 @@ def worker(job: dict[str, Any]) -> None:
             m(input_ids=ids)
 
     times = interleave(variants, models, {"step": step, "fwd": fwd}, job, rank)
+    digest_ms = digest_cost(models["hp_lazy_digest"].model, ids) if "hp_lazy_digest" in models else None
     counts = {v: count_collectives(v, _eager(models[v].model), ids, labels) for v in variants if v in TP_VARIANTS}
     ref = numerics_step(loaded["ref"], ids, labels)
     numerics = {v: compare(numerics_step(models[v], ids, labels), ref) for v in variants if v in TP_VARIANTS}
@@ -321,7 +344,7 @@ def worker(job: dict[str, Any]) -> None:
     everyone: list[Any] = [None] * world
     dist.all_gather_object(everyone, times)
     if rank == 0:
-        result = dict(world=world, variants=variants, failed=failed, counts=counts, numerics=numerics,
+        result = dict(world=world, variants=variants, failed=failed, counts=counts, numerics=numerics, digest_ms=digest_ms,
                       times=summarize(variants, everyone, job["rounds"]), rounds=job["rounds"],
                       at=time.strftime("%H:%M:%S"))
         with open(job["result"], "w") as f:
@@ -358,6 +381,23 @@ def interleave(variants: list[str], models: dict[str, Loaded], fns: dict[str, Ca
     return rec
 
 
+def digest_cost(model: Any, ids: Any, calls: int = 50) -> float | None:
+    """Milliseconds this rank spends in one call of the model's input check (every rank calls it: it
+    gathers), given the step's ``input_ids``; None on one rank, where there is no check."""
+    import torch.distributed as dist
+
+    from hp_lazy.names import INPUT_CHECK
+
+    checks = [m.__dict__[INPUT_CHECK] for m in model.modules() if INPUT_CHECK in m.__dict__]
+    if not checks:
+        return None
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(calls):
+        checks[0]({"input_ids": ids})
+    return 1e3 * (time.perf_counter() - start) / calls
+
+
 def summarize(variants: list[str], everyone: list[dict], rounds: int) -> dict[str, dict[str, Any]]:
     """Per round: wall = the slowest rank (rank 0 for ref_solo), cpu = summed over ranks; then medians."""
     out: dict[str, dict[str, Any]] = {}
@@ -373,7 +413,8 @@ def summarize(variants: list[str], everyone: list[dict], rounds: int) -> dict[st
             def ratio(base: str, per: dict[str, list[float]] = per, v: str = v) -> float | None:
                 return statistics.median(a / b for a, b in zip(per[v], per[base], strict=True)) if base in per else None
             out.setdefault(v, {})[kind] = dict(median_ms=1e3 * statistics.median(per[v]), min_ms=1e3 * min(per[v]),
-                                               x_ref=ratio("ref_solo"), x_bare=ratio("bare_tp"))
+                                               x_ref=ratio("ref_solo"), x_bare=ratio("bare_tp"),
+                                               x_hp=ratio("hp_lazy"))
     return out
 
 
@@ -386,7 +427,7 @@ def count_collectives(variant: str, model: Any, ids: Any, labels: Any) -> dict[s
     from torch.distributed.tensor.debug import CommDebugMode
 
     out: dict[str, Any] = {}
-    if variant == "hp_lazy":
+    if variant in HP_VARIANTS:
         import hp_lazy
 
         with hp_lazy.collective_counter() as counter:
@@ -547,6 +588,13 @@ def render(name: str, res: dict[str, Any]) -> str:
                      f"{fmt(num.get('dlogits'), '{:.1e}')} | {grad} |")
     for v, why in res["failed"].items():
         lines.append(f"| {v} | skipped: {why.replace('|', '/')} |" + " |" * 10)
+    if res.get("digest_ms") is not None and "hp_lazy" in res["times"]:
+        step = res["times"]["hp_lazy"]["step"]["median_ms"]
+        lines.append(f"\nThe input check digesting every step (`HP_LAZY_CHECK_INPUTS=1`; by default only the first step "
+                     f"and a shape change): {res['digest_ms']:.3f} ms per call on rank 0, measured alone = "
+                     f"{100 * res['digest_ms'] / step:.2f}% of hp_lazy's fwd+bwd median; hp_lazy_digest / hp_lazy, "
+                     f"median of per-round ratios: {fmt(res['times']['hp_lazy_digest']['step']['x_hp'])} (wall), "
+                     f"{fmt(res['times']['hp_lazy_digest']['cpu']['x_hp'])} (CPU)")
     return "\n".join(lines) + "\n"
 
 

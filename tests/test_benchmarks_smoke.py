@@ -60,11 +60,12 @@ def test_device_check_smoke(tmp_path: Path) -> None:
 @pytest.mark.parametrize("script, variants", [
     ("cp_step.py", ("one process", "cp", "cp ulysses", "cp, K/V saved")),
     ("ep_step.py", ("one process", "ep", "experts-TP", "transformers ep_plan")),
-    ("step_time.py", ("ref_solo", "ref_both", "hp_lazy", "hf_tp", "dtensor_tp", "bare_tp")),
+    ("step_time.py", ("ref_solo", "ref_both", "hp_lazy", "hp_lazy_digest", "hf_tp", "dtensor_tp", "bare_tp")),
     ("dp_step.py", ("hp_lazy", "ddp", "local")),
     ("coverage.py", ("llama",)),
     ("import_cost.py", ("llama",)),
     ("load_memory.py", ("plain", "hp_lazy", "tp_plan")),
+    ("mutants.py", ("llama_bias.tp2",)),
 ])
 def test_benchmark_smoke(script: str, variants: tuple[str, ...], tmp_path: Path) -> None:
     rows = _rows(_run(script, tmp_path))
@@ -78,6 +79,9 @@ def test_benchmark_smoke(script: str, variants: tuple[str, ...], tmp_path: Path)
         assert all(float(r[3]) <= 1e-4 for r in named), named
     if script == "coverage.py":  # the tp=2 parity run of the family passes
         assert named[0][1] == "pass", named
+    if script == "mutants.py":  # mutants, refused, exact, wrong, unclear: some of each kind that may occur, none wrong
+        mutants, refused, exact, wrong, unclear = map(int, named[0][1:6])
+        assert mutants == refused + exact and refused > 0 and exact > 0 and wrong == unclear == 0, named
 
 
 def test_release_check_smoke(tmp_path: Path) -> None:

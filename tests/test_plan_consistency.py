@@ -3,6 +3,7 @@ cases are the mutants that once validated and trained wrong."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -146,3 +147,124 @@ def test_a_partial_sum_declared_on_entry_is_refused() -> None:
         "model.norm: in_src['hidden_states'] is P(sum) on tp, a partial sum crossing the boundary: "
         "every value reaches a boundary whole or sharded, and the entry would sum it over the ranks; declare "
         "in_src['hidden_states'] as what arrives, 'R' on tp (or the stack's sequence shard)")
+
+
+# The rules below came from benchmarks/mutants.py (every single change of every field): each case
+# validated before and then trained wrong or died in torch with a shape error.
+STACK: dict[str, Any] = {"in_src": {"input": R}, "in_dst": {"input": {"tp": "S(1)"}},
+                         "out_src": {"output": {"tp": "S(1)"}}, "out_dst": {"output": R}, "grad_sum_params": ["*"]}
+IN_STACK = {**ATTN, "in_src": {"hidden_states": {"tp": "S(1)"}}, "out_dst": {"output": {"tp": "S(1)"}}}
+HEAD: dict[str, Any] = {"in_src": {"input": R}, "in_dst": {"input": R}, "out_src": {"output": {"tp": "S(-1)"}},
+                        "out_dst": {"output": R}, "params": {"weight": {"tp": "S(0)"}}}
+
+
+@pytest.mark.parametrize(("pattern", "body", "cls", "text"), [
+    ("model.layers.*.self_attn", {**ATTN, "in_dst": {"hidden_states": {"tp": "S(0)"}}}, "Attention",
+     r"model.layers.\*.self_attn: in_dst\['hidden_states'\] is S\(0\) on tp, but its body computes with parameters "
+     r"sharded on that axis from whole values; set in_dst\['hidden_states'\] to 'R' on tp"),
+    ("lm_head", {**HEAD, "in_dst": {"input": {"tp": "S(-1)"}}}, "torch.nn.Linear",
+     r"lm_head: in_dst\['input'\] is S\(-1\) on tp, but its body computes"),
+    ("o_proj", {"in_src": {"input": R}, "in_dst": {"input": R}, "out_src": {"output": P}, "out_dst": {"output": R},
+                "params": {"weight": {"tp": "S(1)"}}}, "torch.nn.Linear",
+     r"o_proj: in_dst\['input'\] is R on tp, but a rowwise Linear \(weight cut on its input features\) multiplies "
+     r"this rank's columns of the input; set in_dst\['input'\] to 'S\(-1\)' on tp"),
+])
+def test_sharded_parameters_take_whole_inputs(pattern: str, body: dict, cls: str, text: str) -> None:
+    """in_dst S(0) on attention validated and trained 1.5 off; the other cuts died in torch's matmul."""
+    with pytest.raises(PlanError, match=text):
+        check(pattern, body, cls)
+
+
+def test_a_shard_leaves_on_the_last_dim_only() -> None:
+    """A colwise head declared S(0) or S(1) on exit gave logits of the wrong shape, silently."""
+    for dim in ("S(0)", "S(1)"):
+        with pytest.raises(PlanError, match=rf"lm_head: out_src\['output'\] is {re.escape(dim)} on tp, but a "
+                                            r"computation on shards of the parameters yields shards of the output's "
+                                            r"last dim \(features\), never of another; set it to 'S\(-1\)'"):
+            check("lm_head", {**HEAD, "out_src": {"output": {"tp": dim}}}, "torch.nn.Linear")
+
+
+def test_a_subclass_of_embedding_keeps_the_embedding_rules() -> None:
+    """Gemma's scaled word embedding: slicing passes the torch class it derives from."""
+    from hp_lazy import Plan
+
+    source = ("import torch\nfrom torch import nn\nclass Scaled(nn.Embedding):\n    pass\n"
+              "class M(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+              "        self.embed = Scaled(8, 4)\n    def forward(self, x):\n        return self.embed(x)\n")
+    plan = Plan.from_dict({"version": 1, "mesh": MESH, "modules": ["pkg.mod"],
+                           "boundaries": {"embed": {**EMBED, "out_src": {"output": {"tp": "S(-1)"}}}}})
+    with pytest.raises(PlanError, match=r"embed: a Embedding with its weight S\(0\) on tp produces P\(sum\)"):
+        plan.slice("pkg.mod", source)
+
+
+def test_parameters_are_never_partial_and_colwise_biases_follow() -> None:
+    with pytest.raises(PlanError, match=r"params\['q_proj.weight'\] is P\(sum\) on tp, but a parameter is stored "
+                                        r"whole or cut, never as a partial sum"):
+        check("model.layers.*.self_attn", {**ATTN, "params": {**ATTN["params"], "q_proj.weight": P}})
+    with pytest.raises(PlanError, match=r"q_proj.weight is S\(0\) on tp \(colwise\) but q_proj.bias is R; a colwise "
+                                        r"Linear's bias is cut with its output features: plan q_proj.bias as 'S\(0\)'"):
+        check("model.layers.*.self_attn", {**ATTN, "params": {**ATTN["params"], "q_proj.bias": R}})
+
+
+@pytest.mark.parametrize(("change", "text"), [
+    ({"in_src": {"input": P}}, r"model.layers: in_src\['input'\] is P\(sum\) on tp, a partial sum crossing"),
+    ({"in_src": {"input": {"tp": "S(1)"}}},
+     r"model.layers: in_src\['input'\] is S\(1\) on tp, but the layer stack scatters the sequence itself: the value "
+     r"arriving is whole on every rank; set in_src\['input'\] to 'R' on tp"),
+    ({"out_dst": {"output": {"tp": "S(1)"}}}, r"model.layers: out_dst\['output'\] is S\(1\) on tp, .* the value leaving"),
+    ({"grad_sum_params": []}, r"model.layers: the stack shards the sequence on tp, so every replicated parameter "
+                              r"inside it \(the norms\) sees only this rank's tokens .* set grad_sum_params to \['\*'\]"),
+])
+def test_the_sequence_parallel_stack_takes_and_gives_whole_values(change: dict, text: str) -> None:
+    """P(sum) into the stack trained 0.94 off; grad_sum_params dropped, 1.02 off."""
+    with pytest.raises(PlanError, match=text):
+        check("model.layers.*.self_attn", IN_STACK, extra=(("model.layers", {**STACK, **change}, "torch.nn.ModuleList"),))
+
+
+@pytest.mark.parametrize(("change", "text"), [
+    ({"out_dst": {"output": R}}, r"model.layers.\*.self_attn: out_dst\['output'\] is R on tp, but the stack around "
+                                 r"it holds the sequence as S\(1\) there; set out_dst\['output'\] to 'S\(1\)' on tp"),
+    ({"in_src": {"hidden_states": R}}, r"model.layers.\*.self_attn: in_src declares hidden_states: R on tp, but the "
+                                       r"stack around it holds the sequence as S\(1\) there"),
+])
+def test_a_boundary_inside_the_stack_takes_and_gives_its_shard(change: dict, text: str) -> None:
+    with pytest.raises(PlanError, match=text):
+        check("model.layers.*.self_attn", {**IN_STACK, **change}, extra=(("model.layers", STACK, "torch.nn.ModuleList"),))
+
+
+def test_context_parallel_places_nothing_on_cp() -> None:
+    mesh = {"cp": 2}
+    body = {"out_src": {"output": {"cp": "S(1)"}}, "inner": {"call": "attention", "kind": "cp_allgather_kv"}}
+    with pytest.raises(PlanError, match=r"model.layers.\*.self_attn: out_src\['output'\] is S\(1\) on cp, but context "
+                                        r"parallel splits the sequence once at the model's entry"):
+        check_plan([(contract_from_dict("model.layers.*.self_attn", body, mesh), "Attention")], mesh)
+
+
+def test_tp_experts_leave_a_partial_sum() -> None:
+    body = {"in_src": {"hidden_states": R}, "in_dst": {"hidden_states": R}, "out_src": {"output": {"tp": "S(-1)"}},
+            "out_dst": {"output": R}, "params": {"down_proj": {"tp": "S(0)"}}, "region": {"kind": "tp_experts"},
+            "skip_source_lowering": True}
+    with pytest.raises(PlanError, match=r"experts: out_src\['output'\] is S\(-1\) on tp, but the tp_experts region "
+                                        r"runs each rank's experts on every token"):
+        check("experts", body, "Experts")
+
+
+def test_a_class_lowered_for_one_boundary_is_not_bound_at_run_time_for_another() -> None:
+    """DeepSeek-V2's MLP class serves the dense layers' mlp and the MoE layers' shared_experts:
+    marking one skip_source_lowering applied its entry and exit twice (0.98 off)."""
+    from hp_lazy import Plan
+
+    source = ("from torch import nn\nclass MLP(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+              "        self.up = nn.Linear(4, 8)\n        self.down = nn.Linear(8, 4)\n"
+              "    def forward(self, x):\n        return self.down(self.up(x))\n"
+              "class M(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+              "        self.mlp = MLP()\n        self.shared = MLP()\n    def forward(self, x):\n"
+              "        return self.mlp(x) + self.shared(x)\n")
+    body = {"in_src": {"x": R}, "in_dst": {"x": R}, "out_src": {"output": P}, "out_dst": {"output": R},
+            "params": {"up.weight": {"tp": "S(0)"}, "down.weight": {"tp": "S(1)"}}}
+    plan = Plan.from_dict({"version": 1, "mesh": MESH, "modules": ["pkg.mod"],
+                           "boundaries": {"mlp": body, "shared": {**body, "skip_source_lowering": True}}})
+    with pytest.raises(PlanError, match=r"pkg.mod: boundary 'shared' binds class 'MLP' at run time "
+                                        r"\(skip_source_lowering\), but 'mlp' rewrites that class's forward from source, "
+                                        r"which would apply the entry and exit ops a second time"):
+        plan.slice("pkg.mod", source)

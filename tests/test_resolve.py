@@ -238,9 +238,14 @@ def test_shared_class_needs_identical_contracts_except_params() -> None:
     other = {"in_src": {"x": {"tp": "R"}, "y": {"tp": "R"}}, "out_src": out, "params": {"up.weight": {"tp": "S(0)"}}}
     text = slice_error(plan({"model.extra.*": first, "model.layers.*.mlp": other}))
     assert "boundaries 'model.extra.*' and 'model.layers.*.mlp' both lower class 'MLP' but differ in in_src" in text
-    assert "give them identical contracts (only params may differ)" in text
+    assert "give them identical contracts (only params may differ), or mark both skip_source_lowering" in text
+    # one bound at run time while the other rewrites the class: the lowered forward would apply it too
     skipped = {**other, "skip_source_lowering": True}
-    assert plan({"model.extra.*": first, "model.layers.*.mlp": skipped}).slice(MOD, SOURCE) is not None
+    text = slice_error(plan({"model.extra.*": first, "model.layers.*.mlp": skipped}))
+    assert ("boundary 'model.layers.*.mlp' binds class 'MLP' at run time (skip_source_lowering), but 'model.extra.*' "
+            "rewrites that class's forward from source, which would apply the entry and exit ops a second time") in text
+    both = {"model.extra.*": {**first, "skip_source_lowering": True}, "model.layers.*.mlp": skipped}
+    assert plan(both).slice(MOD, SOURCE) is not None  # every boundary of the class bound at run time
 
 
 def test_unparsable_source_is_a_plan_error() -> None:

@@ -145,7 +145,7 @@ def _targets(plan: ModulePlan, mod: ModuleFacts, tree: ast.Module) -> dict[str, 
                 raise PlanError(
                     f"{plan.module}: class {name} serves {first.pattern} and {other.pattern} with different "
                     f"boundary code ({decision.form} vs {d.form}); give them the same in/out placements and "
-                    "deferred biases, or mark one skip_source_lowering"
+                    "deferred biases, or mark both skip_source_lowering"
                 )
         if decision.form != "identity":
             deferred = bool(first.deferred_bias_params)

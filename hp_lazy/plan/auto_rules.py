@@ -18,6 +18,13 @@ from hp_lazy.plan.resolve import ModuleFacts
 FIX = "write an explicit JSON plan for this module (Plan.from_json) instead of Plan.auto"
 
 
+UNIT_STYLES = {"unit_colwise": "colwise", "unit_rowwise": "rowwise"}
+"""transformers 5.25's head-unit styles (every rank holds whole heads; fewer K/V heads than tp ranks
+are repeated over them) read as their plain styles: hp_lazy's attention binding always cuts by whole
+heads and keeps each K/V head on ``tp / kv`` ranks (:func:`hp_lazy.runtime.tp.heads.kv_replicas`),
+and refuses a head count tp does not divide, naming the module and the degrees that fit."""
+
+
 @dataclass(frozen=True)
 class Rule:
     """One transformers TP entry: ``key`` relative to class ``base``, whose FQN is ``prefix + key``."""
@@ -84,7 +91,8 @@ def base_rules(
         )
     base = best[3]
     prefix = _prefix_to(facts, base)
-    return [Rule(owner, base, prefix, key, style, False) for key, style in plan.items()]
+    return [Rule(owner, base, prefix, key, UNIT_STYLES.get(style, style) if isinstance(style, str) else style, False)
+            for key, style in plan.items()]
 
 
 def _prefix_to(facts: ModuleFacts, base: str) -> str:

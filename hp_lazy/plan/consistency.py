@@ -35,7 +35,7 @@ from collections.abc import Mapping, Sequence
 
 from hp_lazy.errors import PlanError
 from hp_lazy.plan.model import Contract
-from hp_lazy.plan.placement import Partial, Shard
+from hp_lazy.plan.placement import REPLICATE, Partial, Replicate, Shard
 from hp_lazy.plan.transitions import transition_op
 
 _FIX_ENTRY = "declare the boundary's input (e.g. 'hidden_states') with in_src/in_dst on that axis"
@@ -47,8 +47,11 @@ def check_plan(contracts: Sequence[tuple[Contract, str]], mesh: Mapping[str, int
         check_contract(contract, cls, mesh)
     stacks = [c for c, _ in contracts if _is_stack(c)]
     for contract, cls in contracts:
-        if not _is_stack(contract):
+        if _is_stack(contract):
+            _check_stack(contract)
+        else:
             _check_sharded_crossings(contract, cls, stacks)
+            _check_inside_stacks(contract, stacks, mesh)
 
 
 def _is_stack(contract: Contract) -> bool:
@@ -58,6 +61,64 @@ def _is_stack(contract: Contract) -> bool:
         and contract.placement("in_dst", name, axis) == contract.placement("out_src", "output", axis)
         for name in contract.in_dst for axis in contract.in_dst[name]
     )
+
+
+def _check_stack(stack: Contract) -> None:
+    """A sequence-parallel stack takes whole values in and gives whole values back (the embedding
+    before it and the final norm after it run on every token), and the replicated parameters inside
+    it see only this rank's tokens, so their gradients are partial sums: ``grad_sum_params`` "*"."""
+    for name in stack.in_src:
+        for axis, placement in stack.in_src[name].items():
+            if isinstance(placement, Partial):
+                _refuse_partial_crossing(stack, "in_src", name, axis, placement)
+    for side, name in [("in_src", n) for n in stack.in_dst] + [("out_dst", "output")]:
+        for axis in _stack_axes(stack):
+            placement = stack.placement(side, name, axis)
+            if not isinstance(placement, Replicate):
+                raise PlanError(
+                    f"{stack.pattern}: {side}[{name!r}] is {placement} on {axis}, but the layer stack scatters the "
+                    f"sequence itself: the value {'arriving' if side == 'in_src' else 'leaving'} is whole on every "
+                    f"rank; set {side}[{name!r}] to 'R' on {axis}"
+                )
+    if _stack_axes(stack) and not {"*", "**"} & set(stack.grad_sum_params):
+        raise PlanError(
+            f"{stack.pattern}: the stack shards the sequence on {', '.join(_stack_axes(stack))}, so every replicated "
+            "parameter inside it (the norms) sees only this rank's tokens and its gradient is a partial sum; set "
+            "grad_sum_params to ['*'] (everything under the stack that no other contract claims)"
+        )
+
+
+def _stack_axes(stack: Contract) -> list[str]:
+    return sorted({axis for name in stack.in_dst for axis, p in stack.in_dst[name].items()
+                   if isinstance(p, Shard) and p == stack.placement("out_src", "output", axis)})
+
+
+def _check_inside_stacks(contract: Contract, stacks: list[Contract], mesh: Mapping[str, int]) -> None:
+    """A boundary inside a sequence-parallel stack receives the stack's sequence shard and returns
+    it, on each axis it shards parameters on: one of its inputs is that shard in in_src (the layer's
+    hidden states; others, such as an encoder's states, may arrive whole) and its out_dst is that
+    shard (the entry gathers, the exit reduce-scatters); 'R' there would mix whole and sharded rows."""
+    for stack in stacks:
+        if not contract.pattern.startswith(stack.pattern + "."):
+            continue
+        for axis in _stack_axes(stack):
+            if axis not in _sharding_axes(contract, mesh):
+                continue
+            shard = stack.placement("out_src", "output", axis)
+            fix = f"(the entry gathers the sequence, the exit reduce-scatters it) in the stack {stack.pattern!r}"
+            out = contract.placement("out_dst", "output", axis)
+            if out != shard:
+                raise PlanError(
+                    f"{contract.pattern}: out_dst['output'] is {out} on {axis}, but the stack around it holds the "
+                    f"sequence as {shard} there; set out_dst['output'] to {str(shard)!r} on {axis} {fix}"
+                )
+            seen = {n: contract.placement("in_src", n, axis) for n in contract.in_dst}
+            if seen and shard not in seen.values():
+                raise PlanError(
+                    f"{contract.pattern}: in_src declares {', '.join(f'{n}: {p}' for n, p in seen.items())} on {axis}, "
+                    f"but the stack around it holds the sequence as {shard} there: the layer's hidden states arrive "
+                    f"as that shard; set their in_src to {str(shard)!r} on {axis} {fix}"
+                )
 
 
 def _check_sharded_crossings(contract: Contract, cls: str, stacks: list[Contract]) -> None:
@@ -105,12 +166,16 @@ def check_contract(contract: Contract, cls: str, mesh: Mapping[str, int]) -> Non
                 f"{contract.pattern}: optional_params names {name!r}, which is neither in params nor in "
                 "deferred_bias_params; fix the name or drop it"
             )
+    _check_params(contract)
     for axis in _sharding_axes(contract, mesh):
         _check_entry(contract, axis)
+        _check_inputs(contract, cls, axis)
         _check_exit(contract, axis)
         _check_leaf(contract, cls, axis)
         _check_biases_follow_weights(contract, axis)
+    _check_region_exit(contract, mesh)
     _check_partial_outputs(contract, mesh)
+    _check_context_parallel(contract, mesh)
 
 
 def _sharding_axes(contract: Contract, mesh: Mapping[str, int]) -> list[str]:
@@ -139,6 +204,35 @@ def _check_entry(contract: Contract, axis: str) -> None:
             )
 
 
+def _check_params(contract: Contract) -> None:
+    for name, spec in sorted(contract.params.items()):
+        for axis, placement in spec.items():
+            if isinstance(placement, Partial):
+                raise PlanError(
+                    f"{contract.pattern}: params[{name!r}] is {placement} on {axis}, but a parameter is stored whole "
+                    f"or cut, never as a partial sum; use 'R' or 'S(d)'"
+                )
+
+
+def _check_inputs(contract: Contract, cls: str, axis: str) -> None:
+    """Sharded parameters compute on whole inputs (colwise Linears, blocks: ``R`` after the entry
+    op); a rowwise Linear leaf reads its input's matching columns (``S(-1)``)."""
+    weight = contract.params.get("weight", {}).get(axis)
+    rowwise_leaf = (cls.rpartition(".")[2] == "Linear" and isinstance(weight, Shard)
+                    and weight.dim in (1, -1))
+    want = Shard(-1) if rowwise_leaf else REPLICATE
+    names = sorted(contract.in_dst) if contract.in_dst else (["input"] if rowwise_leaf else [])
+    for name in names:
+        placement = contract.placement("in_dst", name, axis)
+        if placement != want:
+            why = ("a rowwise Linear (weight cut on its input features) multiplies this rank's columns of the input"
+                   if rowwise_leaf else "its body computes with parameters sharded on that axis from whole values")
+            raise PlanError(
+                f"{contract.pattern}: in_dst[{name!r}] is {placement} on {axis}, but {why}; set in_dst[{name!r}] "
+                f"to {str(want)!r} on {axis}"
+            )
+
+
 def _check_exit(contract: Contract, axis: str) -> None:
     out = contract.placement("out_src", "output", axis)
     if not isinstance(out, (Partial, Shard)):
@@ -147,6 +241,45 @@ def _check_exit(contract: Contract, axis: str) -> None:
             f"on {axis}; a computation on shards yields partial sums or shards: set out_src['output'] to "
             f"'P(sum)' (rowwise) or 'S(-1)' (colwise) on {axis}, with the out_dst it should become"
         )
+    if isinstance(out, Shard) and (out.dim != -1 or out.blocks != 1):
+        raise PlanError(
+            f"{contract.pattern}: out_src['output'] is {out} on {axis}, but a computation on shards of the "
+            f"parameters yields shards of the output's last dim (features), never of another; set it to 'S(-1)' "
+            f"(colwise) or 'P(sum)' (rowwise) on {axis}"
+        )
+
+
+def _colwise(weight: Shard) -> str:
+    return "S(0)" if weight.blocks == 1 else f"SS(0,{weight.blocks})"
+
+
+def _check_region_exit(contract: Contract, mesh: Mapping[str, int]) -> None:
+    """tp_experts: each rank runs its own experts on every token, so the output is a partial sum."""
+    if contract.region is None or contract.region.kind != "tp_experts" or mesh.get("tp", 0) == 1:
+        return
+    out = contract.placement("out_src", "output", "tp")
+    if not isinstance(out, Partial):
+        raise PlanError(
+            f"{contract.pattern}: out_src['output'] is {out} on tp, but the tp_experts region runs each rank's "
+            "experts on every token, so each rank holds a part of every token's output; set out_src['output'] "
+            "to 'P(sum)' on tp (and out_dst to 'R': the all-reduce)"
+        )
+
+
+def _check_context_parallel(contract: Contract, mesh: Mapping[str, int]) -> None:
+    """Under context parallel the model's entry splits the sequence once and every boundary sees its
+    rank's rows as its whole input: nothing is placed on cp (the attention's inner op does the rest)."""
+    if mesh.get("cp", 1) == 1:
+        return
+    for side in ("in_src", "in_dst", "out_src", "out_dst", "params"):
+        for name, spec in getattr(contract, side).items():
+            placement = spec.get("cp", REPLICATE)
+            if placement != REPLICATE:
+                raise PlanError(
+                    f"{contract.pattern}: {side}[{name!r}] is {placement} on cp, but context parallel splits the "
+                    "sequence once at the model's entry and every boundary works on its rank's rows as they are; "
+                    "leave cp out of the contract's placements (the attention's inner op gathers what it needs)"
+                )
 
 
 def _check_leaf(contract: Contract, cls: str, axis: str) -> None:
@@ -171,6 +304,16 @@ def _check_leaf(contract: Contract, cls: str, axis: str) -> None:
 
 
 def _check_biases_follow_weights(contract: Contract, axis: str) -> None:
+    for name, spec in sorted(contract.params.items()):
+        weight = spec.get(axis)
+        bias_name = name[: -len("weight")] + "bias" if name == "weight" or name.endswith(".weight") else ""
+        if (bias_name in contract.params and isinstance(weight, Shard) and weight.dim in (0, -2)
+                and not isinstance(contract.params[bias_name].get(axis), Shard)):
+            raise PlanError(
+                f"{contract.pattern}: {name} is {weight} on {axis} (colwise) but {bias_name} is "
+                f"{contract.placement('params', bias_name, axis)}; a colwise Linear's bias is cut with its output "
+                f"features: plan {bias_name} as {_colwise(weight)!r} on {axis}"
+            )
     for name, spec in sorted(contract.params.items()):
         bias = spec.get(axis)
         if not (name == "bias" or name.endswith(".bias")) or not isinstance(bias, Shard):

@@ -68,7 +68,7 @@ def slice_plan(plan: PlanSource, module: str, source: str) -> ModulePlan | None:
     if not applied:
         return None
     _check_shared_classes(module, applied)
-    check_plan([(a.contract, a.cls) for a in applied], plan.mesh)
+    check_plan([(a.contract, _torch_kind(facts, a)) for a in applied], plan.mesh)
     sliced = ModulePlan(
         module=module,
         plan_hash=plan.hash,
@@ -153,8 +153,20 @@ def _check_forward(facts: ModuleFacts, pattern: str, name: str, local: bool) -> 
         )
 
 
+def _torch_kind(facts: ModuleFacts, item: _Applied) -> str:
+    """The boundary's class, or for a local subclass of ``torch.nn.Linear`` / ``torch.nn.Embedding``
+    (Gemma's scaled word embedding) that torch class: the placement rules of a leaf apply to it."""
+    if item.local:
+        for base in sorted(facts.external_bases(item.cls)):
+            if base.rpartition(".")[2] in ("Linear", "Embedding"):
+                return base
+    return item.cls
+
+
 def _check_shared_classes(module: str, applied: list[_Applied]) -> None:
-    """One lowered class has one forward: every pattern that lands on it needs the same contract."""
+    """One lowered class has one forward: every pattern that lands on it needs the same contract,
+    and none may bind it at run time as well (its lowered forward would apply that contract's
+    entry and exit, and the run-time wrapper again)."""
     first: dict[str, _Applied] = {}
     for item in applied:
         if not item.local or item.contract.skip_source_lowering:
@@ -166,8 +178,17 @@ def _check_shared_classes(module: str, applied: list[_Applied]) -> None:
                 raise PlanError(
                     f"{module}: boundaries {other.contract.pattern!r} and {item.contract.pattern!r} both lower "
                     f"class {item.cls!r} but differ in {field}: {theirs.get(field)!r} vs {mine.get(field)!r}; "
-                    "give them identical contracts (only params may differ) or mark one skip_source_lowering"
+                    "give them identical contracts (only params may differ), or mark both skip_source_lowering"
                 )
+    for item in applied:
+        lowered = first.get(item.cls)
+        if item.local and item.contract.skip_source_lowering and lowered is not None:
+            raise PlanError(
+                f"{module}: boundary {item.contract.pattern!r} binds class {item.cls!r} at run time "
+                f"(skip_source_lowering), but {lowered.contract.pattern!r} rewrites that class's forward from source, "
+                "which would apply the entry and exit ops a second time; drop skip_source_lowering (identical "
+                "contracts share the rewritten forward), or mark every boundary of the class skip_source_lowering"
+            )
 
 
 def _roots(facts: ModuleFacts, applied: list[_Applied]) -> tuple[str, ...]:

@@ -109,6 +109,14 @@ class TensorParallelStyle:
             out = contract.out_dst.get("output", {}).get("tp")
             if not isinstance(module, nn.Linear) or not isinstance(out, Shard):
                 continue
+            get_head = getattr(ctx.root, "get_output_embeddings", None)
+            head = get_head() if callable(get_head) else None
+            if head is not None and base_of(head) is not module:
+                raise ShardingError(
+                    f"{fqn}: out_dst['output'] is {out} on tp, which keeps this Linear's output sharded after the "
+                    "boundary, but only the model's head may leave its logits vocab-sharded (the vocab-parallel loss "
+                    f"reads them); the code after {fqn} reads a whole value: set out_dst['output'] to 'R' on tp"
+                )
             if out.dim != -1 or not hasattr(ctx.root, "loss_function"):
                 raise ShardingError(
                     f"{fqn}: output {out} on tp keeps logits vocab-sharded, which needs a transformers model "
