@@ -33,6 +33,11 @@ MORE_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
                                       "layer_types": ["sliding_attention", "full_attention"]}),
     # two heads: fewer than cp=4 ranks, which Ulysses cannot split
     "llama_2heads": ("LlamaConfig", {"num_attention_heads": 2, "num_key_value_heads": 2}),
+    # transformers 5.25's head-unit styles: k/v_proj "unit_colwise" with 2 K/V heads (at tp=4 each on
+    # two ranks), a gated q projection; layer 0 dense, layer 1 routed experts and a shared MLP
+    "minicpm5_moe": ("MiniCPM5MoeConfig", {"head_dim": 8, "num_key_value_heads": 2, "n_routed_experts": 4,
+                                           "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                           "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
     # a fused qkv_proj planned as leaves (no attention boundary in its TP plan)
     "phi3": ("Phi3Config", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
     # dynamic RoPE rescales by the largest position seen: 16-token batches pass the 8 it was built for

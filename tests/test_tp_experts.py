@@ -32,17 +32,21 @@ def _experts(name: str) -> int:
 
 
 @pytest.mark.parametrize(("name", "impl"), [("qwen3_moe8", "grouped_mm"), ("qwen2_moe", "eager"),
-                                            ("gpt_oss", "eager"), ("glm4_moe_lite", "grouped_mm")])
+                                            ("gpt_oss", "eager"), ("glm4_moe_lite", "grouped_mm"),
+                                            ("minicpm5_moe", "eager")])
 def test_tp2_matches_one_process(tp2, name: str, impl: str) -> None:
     """Qwen3-MoE (grouped_mm kernel), Qwen2-MoE (shared expert), GPT-OSS (expert biases, its
-    router_indices / routing_weights names), GLM-4-MoE-Lite (MLA heads beside, sigmoid routing)."""
+    router_indices / routing_weights names), GLM-4-MoE-Lite (MLA heads beside, sigmoid routing),
+    MiniCPM5-MoE (transformers 5.25's unit_colwise K/V projections)."""
     pool, root = tp2
     results, ref = epwork.check(pool, models.build(name, root), impl)
     assert results[0]["local_experts"] == [_experts(name) // 2] * len(ref["routing"])
 
 
-@pytest.mark.parametrize(("name", "impl"), [("qwen3_moe8", "grouped_mm"), ("gpt_oss", "eager")])
+@pytest.mark.parametrize(("name", "impl"), [("qwen3_moe8", "grouped_mm"), ("gpt_oss", "eager"),
+                                            ("minicpm5_moe", "eager")])
 def test_tp4_matches_one_process(tp4, name: str, impl: str) -> None:
+    """MiniCPM5-MoE at tp=4: 2 K/V heads, each on two ranks (what unit_colwise asks for)."""
     pool, root = tp4
     results, ref = epwork.check(pool, models.build(name, root), impl)
     assert results[0]["local_experts"] == [_experts(name) // 4] * len(ref["routing"])

@@ -24,7 +24,7 @@ from hp_lazy.names import BINDING, FORM
 from hp_lazy.plan.fqn import compile_glob
 from hp_lazy.plan.model import Contract, ModulePlan
 from hp_lazy.plan.placement import Partial, Shard
-from hp_lazy.runtime import adapters, leaves, registry
+from hp_lazy.runtime import adapters, hub_kernels, leaves, registry
 from hp_lazy.runtime.binding import Binding, compile_ops
 from hp_lazy.runtime.cp.style import ContextParallelStyle
 from hp_lazy.runtime.ep.style import ExpertParallelStyle
@@ -67,10 +67,16 @@ def bind_layout(model: nn.Module) -> BoundModel:
     except Exception as exc:  # agreed on below, then raised on every rank
         failure = exc
     _agree(model, roots, failure)
+    names = {id(p): n for n, p in model.named_parameters()}
+    hub_kernels.keep_planned_forwards(
+        model,
+        planned=[n for n, m in model.named_modules() if m.__dict__.get(BINDING) is not None],
+        sharded=[names[pid] for _, ctx, _ in contexts for pid, layout in ctx.by_param.items()
+                 if pid in names and layout.shards],
+    )
     table: LayoutTable | None = None
     partial: dict[str, tuple[str, int, int]] = {}
     styles: dict[str, ParallelStyle] = {}
-    names = {id(p): n for n, p in model.named_parameters()}
     for prefix, ctx, used in contexts:
         table = _merge_table(table, ctx, prefix)
         partial.update({names[pid]: rule for pid, rule in ctx.partial.items() if pid in names})
