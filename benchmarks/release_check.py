@@ -5,7 +5,7 @@ A newer torch is checked with this script, in a virtualenv that has it (``pip in
 torch==2.14.1``): the tests that depend most on torch's internals run against it, and the table
 says which passed. They are the compile tests (binding stays outside dynamo; fullgraph with PEFT),
 the collectives against one process, tensor parallel parity (MoE experts split by expert over tp
-included), DCP checkpoints (torch's distributed checkpoint API) and the guard rails.
+included), DCP checkpoints (torch's distributed checkpoint API), the guard rails, PEFT and hub kernels.
 
     python benchmarks/release_check.py                 # a few minutes on 2 cores
     python benchmarks/release_check.py --smoke         # one plan test: does the script run?
@@ -26,7 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 FILES = ("tests/test_compile.py", "tests/test_collectives.py", "tests/test_parity_tp.py", "tests/test_tp_experts.py",
-         "tests/test_checkpoint_dcp.py", "tests/test_guard.py")
+         "tests/test_checkpoint_dcp.py", "tests/test_guard.py", "tests/test_peft.py", "tests/test_hub_kernels.py")
 SMOKE = ("tests/test_plan_auto.py::test_moe_experts_are_split_by_expert_over_tp_and_dense_slots_pick_their_class",)
 
 

@@ -68,6 +68,9 @@ laid out before its weights were read (shard-on-read; :func:`hp_lazy.runtime.own
 OPTIM_ADOPTED = "_hp_adopted"
 """Optimizer ``__dict__`` key: whether its state dict presents hp_lazy shards (set at its first step)."""
 
+WRAPPED = "_hp_wrapped"
+"""``__dict__`` key of a module that wraps lowered roots (``PeftModel``, DDP): those roots, which
+``torch.compile`` of the wrapper binds before tracing (:func:`hp_lazy.runtime.rt.lazy_root`)."""
 NO_HUB_KERNEL = "_hp_no_hub_kernel"
 """Module ``__dict__`` key: a planned module for which hub kernels are turned off
 (:mod:`hp_lazy.runtime.hub_kernels`)."""
@@ -77,5 +80,6 @@ HUB_CONDITION = "_hp_kernel_condition"
 GENERATED: frozenset[str] = frozenset({RT, INFO, BINDING, FORM, OUT, CALL})
 ATTACHED: frozenset[str] = frozenset(
     {BOUND, OWNER, LEAF_INPUTS, VOCAB_RANGE, INPUT_CHECK, CP_ENTRY, EP_DISPATCH, EP_LOAD, PATCHED,
-     OPTIM_ADOPTED, LAID_OUT, LEAF, WATCH, ADAPTER_HOOKS, LAZY_HOOK, LAZY_INIT, ROUTED, NO_HUB_KERNEL, HUB_CONDITION}
+     OPTIM_ADOPTED, LAID_OUT, LEAF, WATCH, ADAPTER_HOOKS, LAZY_HOOK, LAZY_INIT, ROUTED, NO_HUB_KERNEL, HUB_CONDITION,
+     WRAPPED}
 )

@@ -13,9 +13,10 @@ from typing import Any, NoReturn
 
 import torch
 from torch import nn
+from torch.nn.modules.module import register_module_module_registration_hook
 
 from hp_lazy.errors import ShardingError
-from hp_lazy.names import BOUND, CP_ENTRY, INPUT_CHECK, LAID_OUT, LAZY_HOOK, LAZY_INIT, WATCH
+from hp_lazy.names import BOUND, CP_ENTRY, INPUT_CHECK, LAID_OUT, LAZY_HOOK, LAZY_INIT, WATCH, WRAPPED
 from hp_lazy.runtime import guard, record
 from hp_lazy.runtime.binding import Binding, CallContext, add_deferred_bias
 from hp_lazy.runtime.comm import (
@@ -139,6 +140,35 @@ def _bind_now(module: nn.Module, *args: Any) -> None:
     ensure_parallel(module)
 
 
+def _is_root(module: nn.Module) -> bool:
+    return getattr(type(module), LAZY_INIT, None) is _bind_now
+
+
+def _bind_wrapped(wrapper: nn.Module, *args: Any) -> None:
+    """``_infer_parameters`` of a module that wraps lowered roots: bind them (no-op when bound)."""
+    for root in wrapper.__dict__.get(WRAPPED, ()):
+        ensure_parallel(root)
+
+
+def _on_registration(parent: nn.Module, name: str, module: nn.Module | None) -> None:
+    """A module that takes a lowered root (or such a wrapper) as a child (``PeftModel``, PEFT's
+    ``LoraModel``, DDP, a user's own ``nn.Module``) gets the lazy-module attributes on the instance:
+    ``torch.compile(wrapper)`` then binds the model (or the adapters PEFT added since binding)
+    before tracing, as it does for the root itself; without them dynamo would trace the binding."""
+    if module is None or _is_root(parent):
+        return
+    roots = [module] if _is_root(module) else list(module.__dict__.get(WRAPPED, ()))
+    if not roots:
+        return
+    held = parent.__dict__.setdefault(WRAPPED, [])
+    held.extend(r for r in roots if all(r is not h for h in held))
+    parent.__dict__[LAZY_HOOK] = True
+    parent.__dict__[LAZY_INIT] = _bind_wrapped
+
+
+_WRAP_HOOK: list[Any] = []
+
+
 def lazy_root(cls: type[nn.Module]) -> None:
     """Bind a root before ``torch.compile`` traces it: torch's lazy-module protocol
     (``_initialize_hook`` / ``_infer_parameters``, which ``torch.compile(model)`` and dynamo call
@@ -148,6 +178,8 @@ def lazy_root(cls: type[nn.Module]) -> None:
     (:mod:`hp_lazy.runtime.tp.resize`)."""
     if LAZY_INIT in cls.__dict__:
         return
+    if not _WRAP_HOOK:
+        _WRAP_HOOK.append(register_module_module_registration_hook(_on_registration))
     setattr(cls, LAZY_HOOK, _LazyHook())
     setattr(cls, LAZY_INIT, _bind_now)
     compile_module = cls.compile
