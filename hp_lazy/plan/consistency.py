@@ -6,18 +6,26 @@ On every mesh axis on which a contract shards a parameter:
 - **entry**: it declares at least one input, and each declared input either gets an entry op on
   that axis (its backward all-reduces or gathers the partial input gradient) or is already
   sharded there on both sides; without one, the input gradient stays a partial sum, silently;
-- **exit**: its ``output`` leaves as partial sums (``P(sum)``) or shards (``S(d)``) on that axis —
-  a computation on sharded parameters never yields a replicated value by itself;
+- **whole inputs**: each input is ``R`` after the entry op (``in_dst``), except a rowwise Linear
+  leaf's, which arrives as its columns (``S(-1)``);
+- **exit**: its ``output`` leaves as partial sums (``P(sum)``) or shards of the last dim (``S(-1)``)
+  on that axis — a computation on sharded parameters never yields a replicated value by itself,
+  nor shards of another dim;
 - **leaves**: a ``torch.nn.Linear`` with its weight ``S(0)`` (colwise) produces shards, with
   ``S(1)`` (rowwise) partial sums; an ``nn.Embedding`` with ``S(0)`` (vocab rows) partial sums;
 - **biases follow their weight**: a bias cut on an axis belongs to a weight cut the same way
   (colwise: ``<x>.weight`` on ``S(0)``, or the same packed blocks);
-- **optional names** are names the contract plans (``optional_params`` ⊆ params ∪ deferred biases).
+- **optional names** are names the contract plans (``optional_params`` ⊆ params ∪ deferred biases);
+- a colwise weight's **bias** is cut with it; no parameter is ever ``P(sum)``; experts split by
+  ``tp_experts`` leave ``P(sum)``; nothing is placed on ``cp`` (the model's entry splits the sequence).
 
 On every axis, whatever the contract shards:
 
 - **partial sums come from shards**: an output declared ``P(sum)`` needs a parameter sharded on that
   axis (a replicated computation reduced over the axis would count once per rank);
+- **the sequence-parallel stack** takes and gives whole values (``in_src`` / ``out_dst`` ``R``), sums
+  the gradients of the replicated parameters inside it (``grad_sum_params`` ``"*"``), and every
+  boundary inside it that shards parameters takes one input as the stack's shard and leaves as it;
 - **sequence shards live in the stack**: an input or output that is sharded where it crosses the
   boundary (``in_src`` / ``out_dst`` ``S(d)``) only exists inside a contract that scatters and
   gathers that dim (the sequence-parallel layer stack: ``in_dst`` and ``out_src`` ``S(d)``), or is a
@@ -26,7 +34,10 @@ On every axis, whatever the contract shards:
 Whether a rowwise Linear has a bias is a property of the model's config, not of its source, so
 that rule is checked when the model is bound (:mod:`hp_lazy.runtime.bind`): an existing bias of a
 rowwise weight must be in ``deferred_bias_params``, and a planned parameter the model lacks must
-be in ``optional_params``.
+be in ``optional_params``. Only the model's head may leave its output sharded (``out_dst``
+``S(-1)``), which needs the model: :mod:`hp_lazy.runtime.tp.style` checks it at bind.
+``benchmarks/mutants.py`` is the evidence: every single change of every field of Plan.auto's
+plans is refused or exact.
 """
 
 from __future__ import annotations
