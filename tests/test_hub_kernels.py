@@ -72,7 +72,8 @@ def _map_kernels() -> None:
 
 
 def _run(rank: int, world: int, path: str, ids: Any, how: str) -> dict[str, Any]:
-    """how: "load" (kernelized by from_pretrained), "kernelize" (a later kernelize too), "bypass"
+    """how: "load" (kernelized by from_pretrained), "kernelize" (a later kernelize too), "before bind"
+    (kernelized while whole, then bound), "bypass"
     (the fused kernel forced onto the planned MLPs: what kernelize did before hp_lazy turned it off)."""
     import warnings
     from types import MethodType
@@ -87,7 +88,18 @@ def _run(rank: int, world: int, path: str, ids: Any, how: str) -> dict[str, Any]
     _map_kernels()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, use_kernels=True)
+        if how == "before bind":  # kernelized while still whole: the bind at the first forward removes it
+            from safetensors.torch import load_file
+
+            config = transformers.AutoConfig.from_pretrained(path)
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            model.load_state_dict(load_file(f"{path}/model.safetensors"), strict=False)
+            model.tie_weights()
+            kernels.kernelize(model, device="cpu", mode=kernels.Mode.TRAINING)
+            assert "forward" in model.model.layers[0].mlp.__dict__
+            hp_lazy.parallelize(model)
+        else:
+            model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, use_kernels=True)
     notices = [str(w.message) for w in caught if issubclass(w.category, HubKernelWarning)]
     if how == "kernelize":
         kernels.kernelize(model, device="cpu", mode=kernels.Mode.TRAINING)
@@ -125,7 +137,7 @@ def _reference_in_child(path: str) -> dict[str, Any]:
     return _reference(path)
 
 
-@pytest.mark.parametrize("how", ["load", "kernelize"])
+@pytest.mark.parametrize("how", ["load", "kernelize", "before bind"])
 def test_planned_modules_keep_their_forward(pool2: DistPool, ref, how: str) -> None:
     path, want = ref
     plain = models.reference(path, models.batch())
@@ -135,7 +147,7 @@ def test_planned_modules_keep_their_forward(pool2: DistPool, ref, how: str) -> N
         assert result["kernel_on"] == {"mlp": False, "norm": True}, result["kernel_on"]
     parity.compare(got[0], want)
     notices = got[0]["notices"]
-    if how == "kernelize":  # the same workers: the class was announced once, when "load" ran
+    if how != "load":  # the same workers: the class was announced once, when "load" ran
         return
     assert len(notices) == 1 and notices[0].startswith(
         "hp_lazy: model.layers.0.mlp (LlamaMLP) is planned or holds planned modules, so its hub kernel "

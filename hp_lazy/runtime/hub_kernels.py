@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterable
+from types import MethodType
 from typing import Any
 
 from torch import nn
@@ -50,7 +51,11 @@ def _turn_off(fqn: str, module: nn.Module) -> None:
     current = getattr(cls, CONDITION, None)
     if not getattr(current, HUB_CONDITION, False):  # not wrapped yet, or registered again since
         _wrap_condition(cls, current)
-    replaced = module.__dict__.pop("forward", None)  # what kernelize set, if it ran before the bind
+    replaced = module.__dict__.get("forward")  # what kernelize set (a bound method), if it ran before the bind;
+    if isinstance(replaced, MethodType) and replaced.__self__ is module:  # other wrappers (accelerate's hooks) stay
+        del module.__dict__["forward"]
+    else:
+        replaced = None
     if cls not in _warned:
         _warned.add(cls)
         warnings.warn(
