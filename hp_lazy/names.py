@@ -1,8 +1,9 @@
 """Every name hp_lazy generates into lowered code or attaches to modules, in one place.
 
-Lowered code and the runtime meet only through these names; ``tests/test_names.py`` checks that
-every runtime call the emitter can generate exists in :mod:`hp_lazy.runtime.rt` and that nothing
-else in the package spells these strings.
+Lowered code and the runtime meet only through these names. ``tests/test_architecture.py`` checks
+that every runtime call the emitter can generate exists in :mod:`hp_lazy.runtime.rt`;
+``tests/test_names.py`` that no other module spells a reserved-prefix name (``_hp_*``, ``__hp_*``)
+as an identifier, an attribute or inside a string.
 """
 
 from __future__ import annotations
@@ -77,9 +78,14 @@ NO_HUB_KERNEL = "_hp_no_hub_kernel"
 HUB_CONDITION = "_hp_kernel_condition"
 """Function attribute: a class's ``kernel_condition`` that hp_lazy wrapped to honour :data:`NO_HUB_KERNEL`."""
 
+DROPOUT_CUTS = "_hp_cuts"
+"""``__dict__`` key of a LoRA dropout on a feature-sharded input: the cuts that rebuild one process's mask."""
+LOG_HANDLER = "_hp_lazy"
+"""Attribute of the log handler ``HP_LAZY_DEBUG`` adds (so it is added once)."""
+
 GENERATED: frozenset[str] = frozenset({RT, INFO, BINDING, FORM, OUT, CALL})
 ATTACHED: frozenset[str] = frozenset(
     {BOUND, OWNER, LEAF_INPUTS, VOCAB_RANGE, INPUT_CHECK, CP_ENTRY, EP_DISPATCH, EP_LOAD, PATCHED,
      OPTIM_ADOPTED, LAID_OUT, LEAF, WATCH, ADAPTER_HOOKS, LAZY_HOOK, LAZY_INIT, ROUTED, NO_HUB_KERNEL, HUB_CONDITION,
-     WRAPPED}
+     WRAPPED, DROPOUT_CUTS, LOG_HANDLER}
 )

@@ -38,6 +38,7 @@ from hp_lazy.hook.finder import (
     remove_remote_code_view,
 )
 from hp_lazy.hook.loader import BindFn, HookState, LoweredInfo, LowerFn, plan_mesh
+from hp_lazy.names import INFO, LOG_HANDLER
 from hp_lazy.plan import Plan
 from hp_lazy.plan.fqn import shown
 from hp_lazy.plan.parse import check_degree
@@ -260,7 +261,7 @@ def lowered_modules() -> dict[str, LoweredInfo]:
     """Every module hp_lazy lowered in this process that is still imported."""
     found = {}
     for name, module in list(sys.modules.items()):
-        info = getattr(module, "__hp_lazy__", None) if module is not None else None
+        info = getattr(module, INFO, None) if module is not None else None
         if isinstance(info, LoweredInfo):
             found[name] = info
     return found
@@ -293,7 +294,7 @@ def _check_lowered_mesh(plan: Any) -> None:
 # -- already-imported targets ------------------------------------------------------------------
 def _check_already_imported(plan: Any, matcher: NameMatcher) -> None:
     hits = {n: sys.modules[n] for n in list(sys.modules) if matcher(n) and _declares_plan(plan, sys.modules[n])}
-    plain = sorted(n for n, m in hits.items() if not isinstance(getattr(m, "__hp_lazy__", None), LoweredInfo))
+    plain = sorted(n for n, m in hits.items() if not isinstance(getattr(m, INFO, None), LoweredInfo))
     earlier = sorted(n for n in hits if n not in plain)
     messages = []
     if plain:
@@ -320,7 +321,7 @@ def _declares_plan(plan: Any, module: ModuleType | None) -> bool:
     """Exact targets always count; a glob match of an auto plan only if its config has a TP plan."""
     if module is None:
         return False
-    info = getattr(module, "__hp_lazy__", None)
+    info = getattr(module, INFO, None)
     if info is not None and getattr(info, "plan_hash", None) == plan.hash:
         return False
     if getattr(plan, "auto_flags", None) is None or module.__name__ in plan.modules:
@@ -334,8 +335,8 @@ def _declares_plan(plan: Any, module: ModuleType | None) -> bool:
 def _maybe_debug_logging() -> None:
     if os.environ.get("HP_LAZY_DEBUG", "0").strip() in ("", "0"):
         return
-    if not any(getattr(h, "_hp_lazy", False) for h in logger.handlers):
+    if not any(getattr(h, LOG_HANDLER, False) for h in logger.handlers):
         handler = logging.StreamHandler(sys.stderr)
-        handler._hp_lazy = True  # type: ignore[attr-defined]
+        setattr(handler, LOG_HANDLER, True)
         logger.addHandler(handler)
     logger.setLevel(logging.DEBUG)

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 from hp_lazy.errors import LoweringError
 from hp_lazy.hook.cache import Cache, cache_key
-from hp_lazy.names import RT
+from hp_lazy.names import INFO, RT
 
 logger = logging.getLogger("hp_lazy.hook")
 
@@ -98,7 +98,7 @@ class HpLazyLoader(SourceFileLoader):
         if loaded.info is not None:
             namespace = module.__dict__
             namespace[RT] = self._state.runtime()
-            namespace["__hp_lazy__"] = loaded.info
+            namespace[INFO] = loaded.info
             self._state.bind(module.__name__, loaded.module_plan, loaded.info.source_sha256)
         exec(loaded.code, module.__dict__)
 

@@ -11,8 +11,8 @@ import copy
 from dataclasses import dataclass
 
 from hp_lazy.lower.classify import BoundOp, FormDecision
-from hp_lazy.lower.facts import IMPL_NAME, ForwardFacts
-from hp_lazy.names import CALL, RT, RT_MODULE
+from hp_lazy.lower.facts import ForwardFacts
+from hp_lazy.names import BINDING, CALL, FORM, IMPL, OUT, RT, RT_MODULE
 
 RT_IMPORT = f"import {RT_MODULE} as {RT}"
 _LOCATION = ("lineno", "col_offset", "end_lineno", "end_col_offset")
@@ -60,12 +60,12 @@ def call_args(facts: ForwardFacts) -> str:
 
 
 def impl_call(facts: ForwardFacts) -> str:
-    return f"{facts.self_name}.{IMPL_NAME}({call_args(facts)})"
+    return f"{facts.self_name}.{IMPL}({call_args(facts)})"
 
 
 def _op_call(expr: str, op: BoundOp) -> str:
     dims = "".join(f", {d}" for d in op.op.dims)
-    return f"{RT}.{op.op.call}({expr}, _hp_b.{op.axis}{dims})"
+    return f"{RT}.{op.op.call}({expr}, {BINDING}.{op.axis}{dims})"
 
 
 def static_entry(decision: FormDecision) -> list[str]:
@@ -80,12 +80,12 @@ def _rebuild(exprs: dict[int, str], layout: str) -> str:
     if layout == "single":
         return exprs[0]
     last = max(exprs)
-    elts = [exprs.get(i, f"_hp_out[{i}]") for i in range(last + 1)]
-    return f"({', '.join(elts)}, *_hp_out[{last + 1}:])"
+    elts = [exprs.get(i, f"{OUT}[{i}]") for i in range(last + 1)]
+    return f"({', '.join(elts)}, *{OUT}[{last + 1}:])"
 
 
 def _base(pos: int, layout: str) -> str:
-    return "_hp_out" if layout == "single" else f"_hp_out[{pos}]"
+    return OUT if layout == "single" else f"{OUT}[{pos}]"
 
 
 def _position(op: BoundOp) -> int:
@@ -101,8 +101,8 @@ def static_exit(spec: ForwardSpec) -> list[str]:
         pos = _position(op)
         exprs[pos] = _op_call(exprs.get(pos, _base(pos, layout)), op)
     if spec.deferred_bias:
-        exprs[0] = f"{RT}.add_deferred_bias({exprs.get(0, _base(0, layout))}, _hp_b)"
-    return [*map(repr, notes), f"_hp_out = {_rebuild(exprs, layout)}"]
+        exprs[0] = f"{RT}.add_deferred_bias({exprs.get(0, _base(0, layout))}, {BINDING})"
+    return [*map(repr, notes), f"{OUT} = {_rebuild(exprs, layout)}"]
 
 
 def _exit_notes(spec: ForwardSpec) -> list[str]:
@@ -119,19 +119,19 @@ def _exit_notes(spec: ForwardSpec) -> list[str]:
 
 def generic_entry(spec: ForwardSpec) -> list[str]:
     facts = spec.facts
-    lines = [f"{CALL} = {RT}.begin(_hp_b)"]  # what this call's entry ops leave for its exit ops
+    lines = [f"{CALL} = {RT}.begin({BINDING})"]  # what this call's entry ops leave for its exit ops
     names = list(dict.fromkeys(op.name for op in spec.decision.in_ops))
     for name in names:
         lines += [repr(op.describe()) for op in spec.decision.in_ops if op.name == name]
         if name in facts.param_names:
-            lines.append(f"{name} = {RT}.enter(_hp_b, {name!r}, {name}, {CALL})")
+            lines.append(f"{name} = {RT}.enter({BINDING}, {name!r}, {name}, {CALL})")
         elif not spec.synthesised:
             kw = facts.kwarg
-            entered = f"{RT}.enter(_hp_b, {name!r}, {kw}[{name!r}], {CALL})"
+            entered = f"{RT}.enter({BINDING}, {name!r}, {kw}[{name!r}], {CALL})"
             lines += [f"if {name!r} in {kw}:", f"    {kw}[{name!r}] = {entered}"]
     if spec.synthesised and names:
         star, dstar = facts.vararg, facts.kwarg
-        lines.append(f"{star}, {dstar} = {RT}.enter_call(_hp_b, super().forward, {star}, {dstar}, {CALL})")
+        lines.append(f"{star}, {dstar} = {RT}.enter_call({BINDING}, super().forward, {star}, {dstar}, {CALL})")
     return lines
 
 
@@ -139,23 +139,23 @@ def generic_exit(spec: ForwardSpec) -> list[str]:
     notes = [repr(op.describe()) for op in spec.decision.out_ops]
     if spec.deferred_bias:
         notes.append(repr("output: deferred biases are added by exit, once, after the reduction"))
-    return [*notes, f"_hp_out = {RT}.exit(_hp_b, _hp_out, {CALL})"]
+    return [*notes, f"{OUT} = {RT}.exit({BINDING}, {OUT}, {CALL})"]
 
 
 def forward_body(spec: ForwardSpec) -> list[str]:
     """Source lines of the new forward's body (without the docstring)."""
     form, facts = spec.decision.form, spec.facts
     lines = [f"{RT}.ensure_parallel({facts.self_name})"] if spec.root else []
-    lines += [f"_hp_b = {facts.self_name}._hp_b", "if _hp_b is None:", f"    return {impl_call(facts)}"]
+    lines += [f"{BINDING} = {facts.self_name}.{BINDING}", f"if {BINDING} is None:", f"    return {impl_call(facts)}"]
     generic = form == "generic"
     if generic:
         lines.append(repr(f"generic form: {'; '.join(spec.decision.reasons)}"))
     lines += generic_entry(spec) if generic else static_entry(spec.decision)
     if not spec.decision.out_ops and not spec.deferred_bias:
         return [*lines, f"return {impl_call(facts)}"]
-    lines.append(f"_hp_out = {impl_call(facts)}")
+    lines.append(f"{OUT} = {impl_call(facts)}")
     lines += generic_exit(spec) if generic else static_exit(spec)
-    return [*lines, "return _hp_out"]
+    return [*lines, f"return {OUT}"]
 
 
 def build_forward(impl: ast.FunctionDef, spec: ForwardSpec, decorators: list[ast.expr]) -> ast.FunctionDef:
@@ -185,13 +185,13 @@ def lazy_root(class_name: str, ref: ast.AST) -> ast.stmt:
 
 
 def class_attributes(form: str, qualname: str, ref: ast.AST) -> list[ast.stmt]:
-    text = f"_hp_form = {form!r}\n_hp_b = {RT}.unbound({qualname!r})"
+    text = f"{FORM} = {form!r}\n{BINDING} = {RT}.unbound({qualname!r})"
     return relocate(parse_stmts(text), ref)
 
 
 def synthesised_impl(ref: ast.AST) -> ast.FunctionDef:
     """``_forward_impl`` of a class whose forward lives in another module."""
-    text = f"def {IMPL_NAME}(self, *args, **kwargs):\n    return super().forward(*args, **kwargs)"
+    text = f"def {IMPL}(self, *args, **kwargs):\n    return super().forward(*args, **kwargs)"
     (node,) = relocate(parse_stmts(text), ref)
     assert isinstance(node, ast.FunctionDef)
     return node

@@ -13,11 +13,11 @@ from dataclasses import dataclass
 from typing import Literal
 
 from hp_lazy.errors import LoweringError
-from hp_lazy.names import RESERVED_PREFIXES
+from hp_lazy.names import IMPL, RESERVED_PREFIXES
+from hp_lazy.plan.source import Hierarchy, find_forward, hierarchy
 
 ParamKind = Literal["positional_only", "positional", "keyword_only"]
 ReturnKind = Literal["tuple", "value", "bare", "starred", "list"]
-IMPL_NAME = "_forward_impl"
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,18 +192,11 @@ class ModuleFacts:
     insert_at: int
     """Index in the module body after the docstring and ``from __future__`` imports."""
     classes: tuple[ClassFacts, ...]
+    hierarchy: Hierarchy
+    """The module's classes and their linearisations, shared with the plan resolver."""
 
     def cls(self, name: str) -> ClassFacts | None:
         return next((c for c in self.classes if c.name == name), None)
-
-
-def find_forward(cls: ast.ClassDef) -> ast.FunctionDef | ast.AsyncFunctionDef | None:
-    """The last ``forward`` defined directly in the class body (the one Python keeps)."""
-    found = None
-    for stmt in cls.body:
-        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)) and stmt.name == "forward":
-            found = stmt
-    return found
 
 
 def _defines(cls: ast.ClassDef, name: str) -> bool:
@@ -213,23 +206,6 @@ def _defines(cls: ast.ClassDef, name: str) -> bool:
         if isinstance(stmt, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in stmt.targets):
             return True
     return False
-
-
-def _c3(name: str, bases: dict[str, tuple[str, ...]], local: dict[str, tuple[str, ...]]) -> list[str]:
-    """C3 linearisation; classes of other modules are opaque (their own bases unknown)."""
-    if name not in bases:
-        return [name]
-    own = [b if b in local[name] else f"<other>.{b}" for b in bases[name]]
-    seqs = [_c3(b, bases, local) for b in own] + [own]
-    out = [name]
-    while any(seqs):
-        seqs = [s for s in seqs if s]
-        head = next((s[0] for s in seqs if all(s[0] not in t[1:] for t in seqs)), None)
-        if head is None:
-            return [name]  # inconsistent MRO: Python would refuse the class anyway
-        out.append(head)
-        seqs = [s[1:] if s[0] == head else s for s in seqs]
-    return out
 
 
 def _copy_blocker(cls: ast.ClassDef) -> str | None:
@@ -243,36 +219,30 @@ def _copy_blocker(cls: ast.ClassDef) -> str | None:
     return None
 
 
-def _class_facts(tree: ast.Module) -> tuple[ClassFacts, ...]:
-    nodes = {s.name: (i, s) for i, s in enumerate(tree.body) if isinstance(s, ast.ClassDef)}
-    bases = {n: tuple(ast.unparse(b) for b in c.bases) for n, (_, c) in nodes.items()}
-    # a base is of this module only when a class of that name is defined above the subclass
-    local = {n: tuple(b for b in bs if b in nodes and nodes[b][0] < nodes[n][0]) for n, bs in bases.items()}
+def _class_facts(tree: ast.Module, module: str) -> tuple[Hierarchy, tuple[ClassFacts, ...]]:
+    """The classes of the module body (a class defined under a top-level ``if``/``try`` is not
+    rewritten), each with the owner of the forward it runs, read from the hierarchy the plan
+    resolver reads too (:class:`hp_lazy.plan.source.Hierarchy`)."""
+    shape = hierarchy(module, tree)
     out = []
-    for name, (index, node) in nodes.items():
-        owner = None
-        for klass in _c3(name, bases, local):
-            if klass not in nodes:
-                break
-            if find_forward(nodes[klass][1]) is not None:
-                owner = klass
-                break
-        blocker = None
-        if owner is not None and owner != name:
-            blocker = _copy_blocker(nodes[owner][1])
+    for name, decl in shape.decls.items():
+        if decl.index is None:
+            continue
+        owner = shape.forward_owner(name)
+        blocker = _copy_blocker(shape.decls[owner].node) if owner is not None and owner != name else None
         out.append(
             ClassFacts(
                 name=name,
-                index=index,
-                lineno=node.lineno,
-                bases=bases[name],
-                defines_forward=find_forward(node) is not None,
-                defines_impl=_defines(node, IMPL_NAME),
+                index=decl.index,
+                lineno=decl.node.lineno,
+                bases=decl.bases,
+                defines_forward=find_forward(decl.node) is not None,
+                defines_impl=_defines(decl.node, IMPL),
                 forward_owner=owner,
                 copy_blocker=blocker,
             )
         )
-    return tuple(out)
+    return shape, tuple(sorted(out, key=lambda c: c.index))
 
 
 def _identifiers(tree: ast.AST) -> Iterator[tuple[str, int]]:
@@ -317,10 +287,12 @@ def module_facts(tree: ast.Module, module: str) -> ModuleFacts:
     while at < len(body) and isinstance(stmt := body[at], ast.ImportFrom) and stmt.module == "__future__":
         futures += [a.name for a in stmt.names]
         at += 1
+    shape, classes = _class_facts(tree, module)
     return ModuleFacts(
         module=module,
         docstring=docstring,
         future_imports=tuple(futures),
         insert_at=at,
-        classes=_class_facts(tree),
+        classes=classes,
+        hierarchy=shape,
     )

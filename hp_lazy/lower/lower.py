@@ -20,17 +20,10 @@ from dataclasses import dataclass
 from hp_lazy.errors import LoweringError, PlanError
 from hp_lazy.lower import emit
 from hp_lazy.lower.classify import FormDecision, classify
-from hp_lazy.lower.facts import (
-    IMPL_NAME,
-    ClassFacts,
-    ForwardFacts,
-    ModuleFacts,
-    find_forward,
-    forward_facts,
-    module_facts,
-)
+from hp_lazy.lower.facts import ClassFacts, ForwardFacts, ModuleFacts, forward_facts, module_facts
+from hp_lazy.names import IMPL
 from hp_lazy.plan.model import Contract, ModulePlan
-from hp_lazy.plan.source import parse_source
+from hp_lazy.plan.source import find_forward, parse_source
 
 _FnDef = ast.FunctionDef
 _AnyFnDef = ast.FunctionDef | ast.AsyncFunctionDef
@@ -158,7 +151,7 @@ def _forward_source(tree: ast.Module, mod: ModuleFacts, cls: ClassFacts, module:
     node = _class_node(tree, cls)
     if cls.defines_impl:
         raise LoweringError(
-            f"{module}: class {cls.name} already defines {IMPL_NAME!r}, the name hp_lazy gives the original "
+            f"{module}: class {cls.name} already defines {IMPL!r}, the name hp_lazy gives the original "
             "forward; rename it in the source or mark the contract skip_source_lowering"
         )
     own = find_forward(node)
@@ -166,7 +159,7 @@ def _forward_source(tree: ast.Module, mod: ModuleFacts, cls: ClassFacts, module:
     if own is not None:
         impl, synthesised = own, False
     elif cls.forward_owner is not None and cls.copy_blocker is None:
-        owner = find_forward(_class_node(tree, mod.cls(cls.forward_owner)))
+        owner = find_forward(mod.hierarchy.decls[cls.forward_owner].node)
         assert owner is not None  # forward_owner names a class that defines forward
         impl, synthesised = copy.deepcopy(owner), False
     else:
@@ -189,7 +182,7 @@ def _lowered_class(node: ast.ClassDef, target: _Target, module: str) -> ast.Clas
     source, spec = target.source, target.spec
     new = emit.build_forward(source.impl, spec, source.impl.decorator_list)
     impl = copy.copy(source.impl) if source.own else source.impl
-    impl.name, impl.decorator_list = IMPL_NAME, []
+    impl.name, impl.decorator_list = IMPL, []
     cls = _copy_class(node)
     if source.own:
         at = cls.body.index(source.impl)

@@ -25,13 +25,10 @@ from functools import lru_cache
 
 from hp_lazy.errors import PlanError
 from hp_lazy.plan.fqn import is_glob, matches
-from hp_lazy.plan.source import parse_source
+from hp_lazy.plan.source import NO_FORWARD_BASES, Hierarchy, dotted, hierarchy, parse_source, top_statements
 
 MODULE_LISTS = frozenset({"torch.nn.ModuleList", "torch.nn.modules.container.ModuleList"})
 PARAMETERS = frozenset({"torch.nn.Parameter", "torch.nn.parameter.Parameter"})
-NO_FORWARD_BASES = frozenset(
-    {"object", "torch.nn.Module", "torch.nn.modules.module.Module", "transformers.modeling_utils.PreTrainedModel"}
-)
 FACTORIES = frozenset({"_from_config", "from_config"})
 PRETRAINED = "transformers.modeling_utils.PreTrainedModel"
 FunctionNode = ast.FunctionDef | ast.AsyncFunctionDef
@@ -71,36 +68,24 @@ class ClassFacts:
 @dataclass(frozen=True, eq=False)
 class ModuleFacts:
     module: str
-    imports: Mapping[str, str]
+    hierarchy: Hierarchy
+    """The module's classes and their linearisations, shared with the lowerer."""
     classes: Mapping[str, ClassFacts] = field(default_factory=dict)
     tables: Mapping[str, tuple[ast.expr, ...]] = field(default_factory=dict)
     """Module-level names bound to a dict, list or tuple literal: its values (``MIXER_TYPES =
     {"mamba": NemotronHMamba2Mixer, ...}``), so ``MIXER_TYPES[kind](config)`` builds one of them."""
 
+    @property
+    def imports(self) -> Mapping[str, str]:
+        return self.hierarchy.imports
+
     def qualify(self, dotted: str) -> tuple[str, bool] | None:
         """``"nn.Linear"`` -> ``("torch.nn.Linear", False)``; a local class -> ``(name, True)``."""
-        head, _, rest = dotted.partition(".")
-        if head in self.classes and not rest:
-            return head, True
-        if head not in self.imports:
-            return None
-        full = self.imports[head] + ("." + rest if rest else "")
-        local = full[len(self.module) + 1 :] if full.startswith(self.module + ".") else None
-        if local is not None and local in self.classes:
-            return local, True
-        return full, False
+        return self.hierarchy.qualify(dotted)
 
     def mro(self, name: str) -> list[str]:
-        """The class and its local bases, depth first, left to right, each once."""
-        order: list[str] = []
-        stack = [name]
-        while stack:
-            current = stack.pop(0)
-            if current in order or current not in self.classes:
-                continue
-            order.append(current)
-            stack[0:0] = [b for b in self.classes[current].bases if b in self.classes]
-        return order
+        """The class and its local bases in Python's method resolution order."""
+        return self.hierarchy.local_mro(name) if name in self.classes else []
 
     def external_bases(self, name: str) -> set[str]:
         return {b for c in self.mro(name) for b in self.classes[c].bases if b not in self.classes}
@@ -126,11 +111,10 @@ class ModuleFacts:
         return None
 
     def forward(self, name: str) -> FunctionNode | None:
-        """The ``forward`` defined by the class or a local base."""
-        for cls in self.mro(name):
-            if self.classes[cls].forward is not None:
-                return self.classes[cls].forward
-        return None
+        """The ``forward`` the class runs, when a class of this module defines it
+        (:meth:`~hp_lazy.plan.source.Hierarchy.forward_owner`, as the lowerer reads it)."""
+        owner = self.hierarchy.forward_owner(name) if name in self.classes else None
+        return None if owner is None else self.classes[owner].forward
 
     def has_forward(self, name: str) -> bool:
         """Own or inherited forward; an imported base other than ``nn.Module`` is taken to have one."""
@@ -190,35 +174,9 @@ def _matches_an_index(segment: str) -> bool:
     return any(matches(segment, str(index)) for index in range(INDEX_PROBE))
 
 
-def _dotted(node: ast.expr) -> str | None:
-    if isinstance(node, ast.Name):
-        return node.id
-    if isinstance(node, ast.Attribute):
-        head = _dotted(node.value)
-        return None if head is None else f"{head}.{node.attr}"
-    return None
-
-
-def _absolute(module: str, level: int, name: str | None) -> str:
-    parts = module.split(".")[:-1]
-    base = parts[: len(parts) - (level - 1)] if level > 1 else parts
-    return ".".join([*base, *([name] if name else [])])
-
-
-def _top_statements(body: list[ast.stmt]) -> Iterator[ast.stmt]:
-    """Module-level statements, descending into ``if``/``try`` blocks but not into defs."""
-    for node in body:
-        yield node
-        for attr in ("body", "orelse", "finalbody"):
-            if isinstance(node, (ast.If, ast.Try)) and getattr(node, attr, None):
-                yield from _top_statements(getattr(node, attr))
-        for handler in getattr(node, "handlers", []) if isinstance(node, ast.Try) else []:
-            yield from _top_statements(handler.body)
-
-
 def _tables(tree: ast.Module) -> dict[str, tuple[ast.expr, ...]]:
     out: dict[str, tuple[ast.expr, ...]] = {}
-    for node in _top_statements(tree.body):
+    for node in top_statements(tree.body):
         if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
             values = _literal_values(node.value)
             if values is not None:
@@ -232,21 +190,6 @@ def _literal_values(node: ast.expr) -> tuple[ast.expr, ...] | None:
     if isinstance(node, (ast.List, ast.Tuple)):
         return tuple(node.elts)
     return None
-
-
-def _imports(module: str, tree: ast.Module) -> dict[str, str]:
-    names: dict[str, str] = {}
-    for node in _top_statements(tree.body):
-        if isinstance(node, ast.Import):
-            for alias in node.names:
-                head = alias.name.split(".")[0]
-                names[alias.asname or head] = alias.name if alias.asname else head
-        elif isinstance(node, ast.ImportFrom):
-            source = _absolute(module, node.level, node.module) if node.level else (node.module or "")
-            for alias in node.names:
-                if alias.name != "*":
-                    names[alias.asname or alias.name] = f"{source}.{alias.name}"
-    return names
 
 
 class _ClassScanner:
@@ -270,20 +213,13 @@ class _ClassScanner:
         return ClassFacts(
             name=self.node.name,
             lineno=self.node.lineno,
-            bases=tuple(self._base(b) for b in self.node.bases),
+            bases=self.facts.hierarchy.decls[self.node.name].bases,
             children=self.children,
             params=tuple(self.params),
             forward=methods.get("forward"),
             constants=self._constants(),
             conditional=frozenset(self.conditional),
         )
-
-    def _base(self, node: ast.expr) -> str:
-        text = _dotted(node)
-        if text is None:
-            return ast.unparse(node)
-        qualified = self.facts.qualify(text)
-        return qualified[0] if qualified else text
 
     def _constants(self) -> dict[str, object]:
         out: dict[str, object] = {}
@@ -292,9 +228,9 @@ class _ClassScanner:
                 try:
                     out[node.targets[0].id] = ast.literal_eval(node.value)
                 except (ValueError, TypeError, SyntaxError, RecursionError):
-                    out[node.targets[0].id] = _dotted(node.value)
+                    out[node.targets[0].id] = dotted(node.value)
             elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.target.id == "config":
-                out["config"] = _dotted(node.annotation)
+                out["config"] = dotted(node.annotation)
         return out
 
     def _scan_init(self, init: FunctionNode) -> None:
@@ -308,7 +244,7 @@ class _ClassScanner:
                 self.bound.setdefault(node.targets[0].id, []).append(node.value)
             elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "append"
                   and len(node.args) == 1):
-                owner = _dotted(node.func.value)
+                owner = dotted(node.func.value)
                 if owner is not None:
                     key = owner[len(self_name) + 1 :] if owner.startswith(self_name + ".") else owner
                     self.appended.setdefault(key, []).append(node.args[0])
@@ -319,7 +255,7 @@ class _ClassScanner:
                 targets = [node.target] if isinstance(node, ast.AnnAssign) else []
             value = getattr(node, "value", None)
             for target in targets:
-                if isinstance(target, ast.Attribute) and _dotted(target.value) == self_name and value is not None:
+                if isinstance(target, ast.Attribute) and dotted(target.value) == self_name and value is not None:
                     self._assign(target.attr, value)
                     if id(node) in guarded or _may_be_none(value):
                         self.conditional.add(target.attr)
@@ -337,7 +273,7 @@ class _ClassScanner:
             self.children[attr] = merged
 
     def _qualified(self, node: ast.expr) -> str | None:
-        text = _dotted(node)
+        text = dotted(node)
         qualified = self.facts.qualify(text) if text else None
         return qualified[0] if qualified else None
 
@@ -353,7 +289,7 @@ class _ClassScanner:
         func = node.func
         if isinstance(func, ast.Attribute) and func.attr in FACTORIES:
             func = func.value  # LlamaModel._from_config(config) builds a LlamaModel
-        text = _dotted(func)
+        text = dotted(func)
         qualified = self.facts.qualify(text) if text else None
         if qualified is None:  # a class chosen at run time: a local alias, a table entry
             return self._classes(func, depth + 1)
@@ -373,7 +309,7 @@ class _ClassScanner:
             return _union(*(self._classes(v, depth + 1) for v in self._table(node.value)))
         if isinstance(node, ast.Name) and node.id in self.bound:
             return _union(*(self._classes(v, depth + 1) for v in self.bound[node.id]))
-        text = _dotted(node)
+        text = dotted(node)
         qualified = self.facts.qualify(text) if text else None
         if qualified is None or qualified[0] in MODULE_LISTS:
             return ()
@@ -437,13 +373,13 @@ def analyze(module: str, source: str) -> ModuleFacts:
         tree = parse_source(source)
     except SyntaxError as exc:
         raise PlanError(f"{module}: the source does not parse ({exc.msg}, line {exc.lineno}); fix the module") from exc
+    shape = hierarchy(module, tree)
     classes: dict[str, ClassFacts] = {}
-    facts = ModuleFacts(module=module, imports=_imports(module, tree), classes=classes, tables=_tables(tree))
-    nodes = [n for n in _top_statements(tree.body) if isinstance(n, ast.ClassDef)]
-    for node in nodes:  # names first, so that bases and children qualify as local
-        classes[node.name] = ClassFacts(node.name, node.lineno, (), {}, (), None, {})
-    for node in nodes:
-        classes[node.name] = _ClassScanner(facts, node).scan()
+    facts = ModuleFacts(module=module, hierarchy=shape, classes=classes, tables=_tables(tree))
+    for name in shape.decls:  # names first, so that children qualify as local
+        classes[name] = ClassFacts(name, shape.decls[name].node.lineno, (), {}, (), None, {})
+    for name, decl in shape.decls.items():
+        classes[name] = _ClassScanner(facts, decl.node).scan()
     return facts
 
 

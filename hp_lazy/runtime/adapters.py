@@ -44,7 +44,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hp_lazy.errors import ShardingError
-from hp_lazy.names import ADAPTER_HOOKS
+from hp_lazy.names import ADAPTER_HOOKS, DROPOUT_CUTS
 from hp_lazy.runtime.layout import AxisShard, LayoutTable, ParamLayout, shard_in_place
 from hp_lazy.runtime.mesh import Group
 
@@ -220,17 +220,16 @@ class _ShardedDropout(nn.Dropout):
     mask for the full ``[..., in]`` from the same generator and keeps this rank's columns, so the
     masks (and the random stream after them) equal one process's."""
 
-    _hp_cuts: tuple[AxisShard, ...] = ()
-
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0.0:
             return input
+        cuts: tuple[AxisShard, ...] = self.__dict__[DROPOUT_CUTS]
         shape = list(input.shape)
-        for cut in self._hp_cuts:
+        for cut in cuts:
             shape[-1] *= cut.pieces
         noise = torch.empty(shape, dtype=input.dtype, device=input.device).bernoulli_(1.0 - self.p)
         noise.div_(1.0 - self.p)  # torch's own dropout: the same draws, the same rounding
-        for cut in reversed(self._hp_cuts):
+        for cut in reversed(cuts):
             noise = noise.chunk(cut.pieces, dim=-1)[cut.piece]
         return input * noise
 
@@ -242,7 +241,7 @@ def _full_dropout_masks(tuner: nn.Module, cuts: tuple[AxisShard, ...]) -> None:
     for dropout in getattr(tuner, "lora_dropout", {}).values():
         if type(dropout) is nn.Dropout and dropout.p > 0:
             dropout.__class__ = _ShardedDropout
-            dropout.__dict__["_hp_cuts"] = cuts
+            dropout.__dict__[DROPOUT_CUTS] = cuts
 
 
 def _broadcast(param: nn.Parameter) -> torch.Tensor:

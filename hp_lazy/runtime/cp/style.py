@@ -21,7 +21,7 @@ from __future__ import annotations
 from torch import nn
 
 from hp_lazy.errors import ShardingError
-from hp_lazy.names import CP_ENTRY
+from hp_lazy.names import CP_ENTRY, IMPL
 from hp_lazy.plan.model import Contract
 from hp_lazy.runtime.binding import Binding
 from hp_lazy.runtime.cp import attention, latent, rope
@@ -114,6 +114,6 @@ class ContextParallelStyle:
 
 def _calls_attention(module: nn.Module) -> bool:
     """A module whose forward dispatches through transformers' attention interface."""
-    code = getattr(type(module), "_forward_impl", type(module).forward)
+    code = getattr(type(module), IMPL, type(module).forward)
     names = getattr(getattr(code, "__code__", None), "co_names", ())
     return "ALL_ATTENTION_FUNCTIONS" in names

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hp_lazy.names import VOCAB_RANGE
+from hp_lazy.names import BINDING, VOCAB_RANGE
 from hp_lazy.plan.placement import Shard
 from hp_lazy.runtime.binding import Binding
 from hp_lazy.runtime.leaves import subclass
@@ -33,7 +33,7 @@ class _VocabParallelEmbedding:
         check_ids(input, vocab)
         outside = (input < start) | (input >= end)
         out = super().forward((input - start).masked_fill(outside, 0), *args, **kwargs)  # type: ignore[misc]
-        return self._hp_b.exit(out.masked_fill(outside.unsqueeze(-1), 0.0))  # type: ignore[attr-defined]
+        return getattr(self, BINDING).exit(out.masked_fill(outside.unsqueeze(-1), 0.0))
 
 
 def install_vocab_parallel(module: nn.Embedding, binding: Binding) -> None:
