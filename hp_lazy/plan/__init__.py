@@ -2,8 +2,10 @@
 
 Layers, each importing only those above it in this list: ``fqn`` (globs), ``placement``,
 ``transitions`` (src/dst -> op, output keys), ``model`` (contracts, slices), ``parse``
-(validation), ``source`` (the one parse of a modeling source, shared with the lowerer),
-``resolve`` (static class graph), ``auto_rules`` and ``auto`` (transformers' TP plans),
+(validation), ``source`` (the one parse and class hierarchy of a modeling source, shared with the
+lowerer), ``resolve`` (static class graph), ``auto`` (transformers' TP and EP plans: ``auto.rules``
+reads them, one preset per axis — ``auto.tp``, ``auto.sp``, ``auto.cp``, ``auto.ep`` — fills an
+``auto.draft``),
 ``slice``, and ``plan`` (:class:`Plan`, which ties them together).
 """
 

@@ -204,6 +204,12 @@ class AutoFlags:
     ep: int = 1
     """Expert-parallel degree (carved out of dp * cp): experts modules get the ``ep_dispatch`` region."""
 
+    @property
+    def mesh(self) -> dict[str, int]:
+        """The mesh these flags ask for: ``tp`` always, ``cp`` and ``ep`` where above 1 (the one
+        derivation the plan parser and every preset of :mod:`hp_lazy.plan.auto` read)."""
+        return {"tp": self.tp, **({"cp": self.cp} if self.cp > 1 else {}), **({"ep": self.ep} if self.ep > 1 else {})}
+
     def to_dict(self) -> dict[str, object]:
         out = asdict(self)
         if self.cp == 1:  # plans without cp keep the JSON (and hash) they always had

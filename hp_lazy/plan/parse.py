@@ -358,10 +358,6 @@ def _refuse_injections(body: Mapping[str, Any]) -> None:
         )
 
 
-def _auto_mesh(auto: AutoFlags) -> dict[str, int]:
-    return {"tp": auto.tp, **({"cp": auto.cp} if auto.cp > 1 else {}), **({"ep": auto.ep} if auto.ep > 1 else {})}
-
-
 def plan_fields(data: object) -> PlanFields:
     """Validate and normalise a plan given as JSON data: the fields of ``Plan(...)``."""
     if isinstance(data, Mapping):
@@ -371,7 +367,7 @@ def plan_fields(data: object) -> PlanFields:
     if isinstance(version, bool) or not isinstance(version, int) or version != 1:
         raise PlanError(f"plan.version: {shown(version)} is not a supported version; use 1")
     auto = parse_auto(body["auto"]) if "auto" in body else None
-    mesh = _parse_mesh(body.get("mesh", _auto_mesh(auto) if auto else None))
+    mesh = _parse_mesh(body.get("mesh", auto.mesh if auto else None))
     if auto is not None and mesh.get("tp") != auto.tp:
         raise PlanError(f"plan.mesh: tp={mesh.get('tp')!r} differs from plan.auto.tp={auto.tp}; make them equal")
     if auto is not None and mesh.get("cp", 1) != auto.cp:

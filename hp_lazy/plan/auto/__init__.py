@@ -1,0 +1,80 @@
+"""``Plan.auto``: contracts derived from transformers' own plans, per modeling module, composed
+from one preset per axis over one mesh (:attr:`~hp_lazy.plan.model.AutoFlags.mesh`).
+
+Sources (:mod:`.rules`): every config class's ``base_model_tp_plan`` and ``base_model_ep_plan``
+(keys relative to the base model, e.g. ``"layers.*.self_attn.q_proj": "colwise"``) and the model
+classes' ``_tp_plan`` (keys relative to that class, e.g. ``{"lm_head": "colwise_gather_output"}``).
+
+The presets fill one :class:`~.draft.Draft`, in this order:
+
+1. :mod:`.ep` under tp without ep: the experts the ep plan marks, split by expert over tp; the TP
+   plan's entries under them give way.
+2. :mod:`.tp`: the TP plan's boundaries, leaves, embeddings (and 5.24's experts-TP).
+3. :mod:`.cp`: the attention op on every attention module.
+4. :mod:`.ep` under ep: the dispatch region on every experts module.
+5. the nesting check (no contract inside another), then :mod:`.sp`: the sequence cut between the
+   tp boundaries.
+
+At tp=1 the tp preset runs only when no other axis asks for anything: context and expert
+parallel shard nothing over tp, and TP strings Plan.auto cannot translate do not matter to them.
+Adding an axis means a preset here and its room in :mod:`hp_lazy.runtime`.
+"""
+
+from __future__ import annotations
+
+import re
+
+from hp_lazy.plan.auto import cp as cp_preset
+from hp_lazy.plan.auto import ep as ep_preset
+from hp_lazy.plan.auto import sp as sp_preset
+from hp_lazy.plan.auto import tp as tp_preset
+from hp_lazy.plan.auto.draft import Draft
+from hp_lazy.plan.auto.rules import base_rules, config_plans, head_rules
+from hp_lazy.plan.model import AutoFlags, Contract
+from hp_lazy.plan.resolve import analyze
+
+_MODULE = re.compile(r"^transformers\.models\.(\w+)\.modeling_(\w+)$")
+
+
+def auto_contracts(
+    module_name: str, source: str, tp: int = 2, sequence_parallel: bool = False, loss_parallel: bool = False,
+    vocab_parallel_embedding: bool = True, cp: int = 1,
+) -> tuple[Contract, ...] | None:
+    """Contracts for one ``transformers.models.<x>.modeling_<x>`` module, or None when the module
+    is not such a module or its configs declare no ``base_model_tp_plan``."""
+    flags = AutoFlags(
+        tp=tp, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
+        vocab_parallel_embedding=vocab_parallel_embedding, cp=cp,
+    )
+    parts = auto_parts(module_name, source, flags)
+    return None if parts is None else parts[0]
+
+
+def auto_parts(module_name: str, source: str, flags: AutoFlags) -> tuple[tuple[Contract, ...], dict[str, str]] | None:
+    """:func:`auto_contracts` plus the boundary class of each pattern whose slot holds several
+    classes (a layer's ``mlp`` that is a dense MLP in some layers and an MoE block in others)."""
+    if not _MODULE.match(module_name):
+        return None
+    facts = analyze(module_name, source)
+    plans = config_plans(module_name, facts)
+    if not plans:
+        return None
+    rules = [r for name, plan in plans for r in base_rules(facts, name, plan)] + head_rules(facts)
+    ep_rules = []
+    if flags.ep > 1 or flags.tp > 1:  # tp alone splits the experts the ep plan marks too
+        ep_rules = [r for name, plan in config_plans(module_name, facts, ep_preset.EP_PLAN)
+                    for r in base_rules(facts, name, plan, ep_preset.EP_PLAN)]
+    draft = Draft(facts, flags)
+    if flags.tp > 1 and flags.ep == 1:
+        rules = ep_preset.split_over_tp(draft, rules, ep_rules)
+        ep_rules = []
+    if flags.tp > 1 or not (flags.cp > 1 or ep_rules):
+        tp_preset.apply(draft, rules)
+    if flags.cp > 1:
+        cp_preset.apply(draft, rules)
+    if ep_rules:
+        ep_preset.apply(draft, ep_rules)
+    draft.check_nesting()
+    if flags.sequence_parallel:
+        sp_preset.apply(draft)
+    return draft.contracts(), dict(draft.classes)

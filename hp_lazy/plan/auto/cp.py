@@ -1,0 +1,35 @@
+"""The cp preset: context parallel's inner op on every attention module.
+
+Every module whose forward dispatches through transformers' attention interface gets the op of
+``cp_mode`` (``{"call": "attention", "kind": ...}``): on the tp preset's boundaries where they are
+attention modules, and as a contract of the op alone where the TP plan makes no boundary of them
+(fused ``qkv_proj`` planned as leaves, a plan naming only the embedding, or tp=1). The TP plan
+only locates the attention modules here: the parents of its keys and the children of the decoder
+layers (``layers.*.<child>``). Context parallel places nothing on the mesh: the sequence is cut
+at the model's entry (:mod:`hp_lazy.runtime.cp`).
+"""
+
+from __future__ import annotations
+
+from hp_lazy.plan.auto.draft import Draft, Entry
+from hp_lazy.plan.auto.rules import Rule
+from hp_lazy.plan.model import CP_MODES
+
+
+def apply(draft: Draft, rules: list[Rule]) -> None:
+    inner = {"call": "attention", "kind": CP_MODES[draft.flags.cp_mode]}
+    for entry in draft.entries.values():
+        if entry.kind == "boundary" and draft.calls_attention(entry.cls):
+            entry.body["inner"] = dict(inner)
+    found: set[tuple[str, str, str]] = set()
+    for rule in rules:
+        parent = rule.key.rpartition(".")[0]
+        if parent and not rule.head:
+            found.add((rule.base, rule.prefix, parent))
+        for layer in sorted(draft.facts.resolve(rule.base, "layers.*")) if not rule.head else ():
+            if layer in draft.facts.classes:
+                found.update((rule.base, rule.prefix, f"layers.*.{child}") for child in draft.facts.children(layer))
+    for base, prefix, key in sorted(found):
+        names = draft.facts.resolve(base, key)
+        if prefix + key not in draft.entries and len(names) == 1 and draft.calls_attention(next(iter(names))):
+            draft.add(prefix + key, Entry({"inner": dict(inner)}, f"{base} (cp attention)", "attention"))

@@ -1,0 +1,235 @@
+"""The tp preset: transformers' TP plan strings as tensor-parallel contracts (layouts for
+``[batch, seq, hidden]`` activations).
+
+- A parent module whose children hold ``colwise``/``packed_colwise`` *and* ``rowwise`` strings is
+  the boundary: ``x: R -> R`` in (copy_to), ``output: P(sum) -> R`` out (reduce_from). Params:
+  colwise ``c.weight``/``c.bias`` ``S(0)``; packed ``SS(0,2)``; rowwise ``c.weight`` ``S(1)`` with
+  ``c.bias`` deferred; a key naming a raw (expert) parameter shards it on its output dim ``-2``
+  (``SS(-2,2)`` packed) or input dim ``-1`` (rowwise). ``replicated_with_grad_allreduce`` and
+  ``mla_kv_a_proj`` (MLA's replicated K/V down projection) children go to the boundary's
+  ``grad_sum_params``. Other activations the boundary's forward takes (cross-attention's
+  ``encoder_hidden_states``) enter replicated too.
+- ``moe_tp_experts`` (transformers 5.24): every rank runs its slice of every expert, bound at run
+  time around the experts class's own forward; all inputs enter with copy_to, the partial sums are
+  reduced at exit.
+- ``colwise_gather_output`` / ``rowwise_split_input`` on a Linear: a leaf contract on that Linear
+  (``input: R``, ``output: S(-1) -> R`` / ``input: R -> S(-1)``, ``output: P(sum) -> R``); the
+  model's head keeps its output sharded under ``loss_parallel``.
+- ``embedding_rowwise`` (and, as transformers does, the base model's ``embed_tokens`` when it is a
+  plain ``nn.Embedding`` or a local subclass of it): vocab-parallel embedding, ``weight: S(0)``,
+  ``output: P(sum) -> R``.
+
+Everything else raises a :class:`PlanError` naming the module, the plan's owner, the key and the
+string, and pointing at an explicit JSON plan.
+"""
+
+from __future__ import annotations
+
+from hp_lazy.plan.auto.draft import Draft, Entry
+from hp_lazy.plan.auto.rules import Rule
+from hp_lazy.plan.resolve import forward_params
+
+SUMMED = frozenset({"replicated_with_grad_allreduce", "mla_kv_a_proj"})
+"""Replicated children whose gradient is summed over tp. ``mla_kv_a_proj``: MLA's joint K/V down
+projection (``kv_a_proj_with_mqa``), whose output (the compressed latent and the shared RoPE key)
+feeds every rank's heads, so each rank's gradient is its heads' part."""
+GROUPED = frozenset({"colwise", "packed_colwise", "rowwise"}) | SUMMED
+LEAF = frozenset({"colwise_gather_output", "rowwise_split_input"})
+MOE = "moe_tp_experts"
+SUPPORTED = GROUPED | LEAF | {"embedding_rowwise", MOE}
+EMBEDDING_BODY = {
+    "in_src": {"input": {"tp": "R"}}, "in_dst": {"input": {"tp": "R"}},
+    "out_src": {"output": {"tp": "P(sum)"}}, "out_dst": {"output": {"tp": "R"}},
+    "params": {"weight": {"tp": "S(0)"}},
+}
+
+
+def apply(draft: Draft, rules: list[Rule]) -> None:
+    """The tp contracts of ``rules`` (the TP plan's entries and the model classes' ``_tp_plan``)."""
+    for rule in rules:
+        if not isinstance(rule.style, str) or rule.style not in SUPPORTED:
+            draft.fail(rule, "is not a style Plan.auto translates (it handles colwise/packed_colwise -> "
+                       "rowwise pairs, replicated_with_grad_allreduce, mla_kv_a_proj, colwise_gather_output, "
+                       "rowwise_split_input and embedding_rowwise)")
+    for rule in rules:
+        if rule.style in LEAF:
+            draft.add(rule.pattern, Entry(_leaf(draft, rule), rule.owner, "leaf", rule))
+        elif rule.style == "embedding_rowwise" and draft.flags.vocab_parallel_embedding:
+            draft.add(rule.pattern, Entry(_embedding(draft, rule), rule.owner, "embedding", rule))
+    moe = {(r.base, r.key): r for r in rules if r.style == MOE}
+    _Boundaries(draft, moe).add([r for r in rules if r.style in GROUPED])
+    for rule in rules:
+        if rule.style == MOE and rule.pattern not in draft.entries:
+            draft.fail(rule, "has no packed_colwise/colwise -> rowwise expert parameters under it to shard")
+    if draft.flags.vocab_parallel_embedding:
+        _implicit_embeddings(draft, rules)
+
+
+def _leaf(draft: Draft, rule: Rule) -> dict:
+    name = draft.class_of(rule, rule.key)
+    if not draft.is_linear(name):
+        draft.fail(rule, f"applies to class {name!r}, which is not an nn.Linear")
+    x = draft.input_key(rule, name)
+    if rule.style == "rowwise_split_input":
+        return {"in_src": {x: {"tp": "R"}}, "in_dst": {x: {"tp": "S(-1)"}},
+                "out_src": {"output": {"tp": "P(sum)"}}, "out_dst": {"output": {"tp": "R"}},
+                "params": {"weight": {"tp": "S(1)"}}, "deferred_bias_params": ["bias"], "optional_params": ["bias"]}
+    out_dst = "S(-1)" if (draft.flags.loss_parallel and rule.head) else "R"
+    return {"in_src": {x: {"tp": "R"}}, "in_dst": {x: {"tp": "R"}},
+            "out_src": {"output": {"tp": "S(-1)"}}, "out_dst": {"output": {"tp": out_dst}},
+            "params": {"weight": {"tp": "S(0)"}, "bias": {"tp": "S(0)"}}, "optional_params": ["bias"]}
+
+
+def _embedding(draft: Draft, rule: Rule) -> dict:
+    name = draft.class_of(rule, rule.key)
+    body = _embedding_body(draft, name)
+    if body is None:
+        draft.fail(rule, f"applies to class {name!r}; Plan.auto shards only nn.Embedding and its subclasses")
+    return body
+
+
+def _embedding_body(draft: Draft, name: str | None) -> dict | None:
+    """nn.Embedding itself, or a local subclass (e.g. a scaled embedding), which is bound at run
+    time as a vocab-parallel leaf rather than rewritten."""
+    plain = draft.is_embedding(name)
+    if plain is None:
+        return None
+    return EMBEDDING_BODY if plain else {**EMBEDDING_BODY, "skip_source_lowering": True}
+
+
+def _implicit_embeddings(draft: Draft, rules: list[Rule]) -> None:
+    """transformers adds ``embed_tokens: embedding_rowwise`` whenever a TP plan exists."""
+    for base, prefix in sorted({(r.base, r.prefix) for r in rules if not r.head}):
+        pattern = prefix + "embed_tokens"
+        found = draft.facts.resolve(base, "embed_tokens")
+        body = _embedding_body(draft, next(iter(found))) if len(found) == 1 else None
+        if pattern not in draft.entries and body is not None:
+            owner = "embed_tokens (transformers' implicit embedding_rowwise)"
+            draft.add(pattern, Entry(body, owner, "embedding"))
+
+
+class _Boundaries:
+    """The parents holding colwise and rowwise children, one contract each."""
+
+    def __init__(self, draft: Draft, moe: dict[tuple[str, str], Rule]) -> None:
+        self.draft = draft
+        self.facts = draft.facts
+        self.moe = moe  # (base, key) of each moe_tp_experts module -> its rule
+
+    def add(self, grouped: list[Rule]) -> None:
+        parents: dict[tuple[str, str], list[Rule]] = {}
+        for rule in grouped:
+            parent = rule.key.rpartition(".")[0]
+            parents.setdefault((rule.base, parent), []).append(rule)
+        pairs = {k for k, rs in parents.items() if {r.style for r in rs} & {"colwise", "packed_colwise"}
+                 and "rowwise" in {r.style for r in rs}}
+        bodies: dict[tuple[str, str], dict] = {}
+        for (base, _parent), rs in parents.items():
+            for rule in rs:
+                home = self._home(rule, pairs, base)
+                body = bodies.setdefault(
+                    home, {"params": {}, "deferred_bias_params": [], "grad_sum_params": [], "optional_params": []}
+                )
+                self._child(rule, home[1], body)
+        for (base, parent) in sorted(bodies):
+            rule = next(r for r in grouped if r.base == base and r.key.startswith(parent + "."))
+            head = Rule(rule.owner, base, rule.prefix, parent, "boundary", False)
+            name = self._boundary_class(rule, parent, bodies[(base, parent)])
+            if name not in self.facts.classes:
+                self.draft.fail(rule, f"needs its enclosing module {parent!r} to be a class of the module, "
+                                f"found {name!r}")
+            if (base, parent) in self.moe:
+                body = self._experts_body(rule, name, bodies[(base, parent)])
+                entry = Entry(body, rule.owner, "experts_tp", self.moe[(base, parent)])
+            else:
+                entry = Entry(self._boundary_body(rule, name, bodies[(base, parent)]), rule.owner, "boundary", head,
+                              name)
+            self.draft.add(head.pattern, entry)
+
+    def _home(self, rule: Rule, pairs: set[tuple[str, str]], base: str) -> tuple[str, str]:
+        parent = rule.key.rpartition(".")[0]
+        if not parent:
+            self.draft.fail(rule, f"names a direct child of the base model {base}, which Plan.auto cannot enclose")
+        if (base, parent) in pairs:
+            return (base, parent)
+        if rule.style in SUMMED:
+            for home in sorted(pairs, key=lambda p: -len(p[1])):
+                if home[0] == base and parent.startswith(home[1] + "."):
+                    return home
+            self.draft.fail(rule, "is not inside a module that encloses a colwise -> rowwise pair")
+        self.draft.fail(rule, f"has no {'rowwise' if rule.style != 'rowwise' else 'colwise'} sibling under "
+                        f"{parent or rule.base!r}, so no module encloses a colwise -> rowwise pair")
+
+    def _child(self, rule: Rule, parent: str, body: dict) -> None:
+        rel = rule.key[len(parent) + 1 :] if parent else rule.key
+        is_module = bool(self.facts.resolve(rule.base, rule.key))
+        params, style = body["params"], str(rule.style)
+        if style in SUMMED:
+            body["grad_sum_params"].append(f"{rel}.*" if is_module else rel)
+        elif not is_module:
+            if not self._is_param(rule):
+                self.draft.fail(rule, f"names {rule.key!r}, which is neither a child module nor an nn.Parameter "
+                                f"of {rule.base} in the source")
+            params[rel] = {"tp": {"colwise": "S(-2)", "packed_colwise": "SS(-2,2)", "rowwise": "S(-1)"}[style]}
+        else:
+            name = self.draft.class_of(rule, rule.key)
+            if not self.draft.is_linear(name):
+                self.draft.fail(rule, f"applies to class {name!r}, which is not an nn.Linear")
+            shard = {"colwise": "S(0)", "packed_colwise": "SS(0,2)", "rowwise": "S(1)"}[style]
+            params[f"{rel}.weight"] = {"tp": shard}
+            if style == "rowwise":
+                body["deferred_bias_params"].append(f"{rel}.bias")
+            else:
+                params[f"{rel}.bias"] = {"tp": shard}
+            body["optional_params"].append(f"{rel}.bias")  # the config may turn biases off
+            if self._conditional(rule.base, parent, rel):  # MLA: q_proj or q_a_proj -> q_b_proj, by config
+                body["optional_params"].append(f"{rel}.weight")
+
+    def _conditional(self, base: str, parent: str, rel: str) -> bool:
+        owners = self.facts.resolve(base, parent) if parent else {base}
+        return any(rel.split(".")[0] in self.facts.conditional(o) for o in owners if o in self.facts.classes)
+
+    def _is_param(self, rule: Rule) -> bool:
+        owner_key, _, leaf = rule.key.rpartition(".")
+        owners = self.facts.resolve(rule.base, owner_key) if owner_key else {rule.base}
+        return any(leaf in self.facts.params(o) for o in owners if o in self.facts.classes)
+
+    def _boundary_class(self, rule: Rule, parent: str, body: dict) -> str:
+        """The class at ``parent``; where the slot holds several (dense MLP or MoE block by layer),
+        the one class that has every planned child."""
+        names = self.facts.resolve(rule.base, parent)
+        if len(names) > 1:
+            children = {name.split(".")[0] for name in [*body["params"], *body["grad_sum_params"]]}
+            fits = [n for n in sorted(names) if n in self.facts.classes
+                    and children <= set(self.facts.children(n)) | self.facts.params(n)]
+            if len(fits) == 1:
+                self.draft.classes[rule.prefix + parent] = fits[0]
+                return fits[0]
+        return self.draft.class_of(rule, parent)
+
+    def _experts_body(self, rule: Rule, name: str, body: dict) -> dict:
+        inputs = self.draft.inputs(rule, name)
+        out = {"in_src": {x: {"tp": "R"} for x in inputs}, "in_dst": {x: {"tp": "R"} for x in inputs},
+               "out_src": {"output": {"tp": "P(sum)"}}, "out_dst": {"output": {"tp": "R"}},
+               "params": body["params"], "skip_source_lowering": True}
+        if body["grad_sum_params"]:
+            out["grad_sum_params"] = sorted(body["grad_sum_params"])
+        return out
+
+    def _boundary_body(self, rule: Rule, name: str, body: dict) -> dict:
+        x = self.draft.input_key(rule, name)
+        out = {"in_src": {x: {"tp": "R"}}, "in_dst": {x: {"tp": "R"}},
+               "out_src": {"output": {"tp": "P(sum)"}}, "out_dst": {"output": {"tp": "R"}}, "params": body["params"]}
+        for extra in self._cross_inputs(name, x):  # cross-attention: also projected by the colwise k/v
+            out["in_src"][extra] = out["in_dst"][extra] = {"tp": "R"}
+        for field in ("deferred_bias_params", "grad_sum_params", "optional_params"):
+            if body[field]:
+                out[field] = sorted(body[field])
+        return out
+
+    def _cross_inputs(self, name: str, first: str) -> list[str]:
+        """Other activations a boundary's forward takes (``encoder_hidden_states``,
+        ``key_value_states``): they meet colwise projections too, so they enter with ``copy_to``."""
+        forward = self.facts.forward(name)
+        params = forward_params(forward) if forward is not None else []
+        return [p for p in params if p != first and (p.endswith("hidden_states") or p == "key_value_states")]
