@@ -5,20 +5,25 @@ downloaded). For each sequence length, fresh processes run, alternately, ``--rep
 
   one process     plain transformers (SDPA), world 1, ``--world`` intra-op threads (the same cores)
   cp              ``hp_lazy.activate("auto", cp=W)`` on W ranks, 1 thread each: K/V all-gathered,
-                  only local tensors saved, re-gathered in backward (hp_lazy's default; causal
-                  attention by two flash calls per chunk merged by log-sum-exp)
-  cp ulysses      ``cp_mode="ulysses"``: all-to-all to head shards, whole-sequence flash attention
-  cp, K/V saved   the allgather mode's collectives, but one masked SDPA per layer through plain autograd,
-                  which keeps the gathered K/V of every layer (no re-gather): what the custom
-                  function saves
+                  only local tensors saved, re-gathered in backward (hp_lazy's default; blockwise
+                  attention merged by log-sum-exp, no mask larger than a tile)
+  cp ulysses      ``cp_mode="ulysses"``: all-to-all to head shards, the same blockwise attention
+                  over the whole sequence
+  cp, K/V saved   the allgather mode's collectives, but one SDPA per layer with an [S/C x S] mask
+                  through plain autograd, which keeps the gathered K/V of every layer (no
+                  re-gather): what the custom function saves, and hp_lazy's previous masked path
 
-Every rank passes the same full batch (B=1) with labels. Reported per variant: the median fwd+bwd
+Every rank passes the same full batch (B=1) with labels, of one of three kinds (``--batches``):
+``plain``; ``packed``, four documents told apart by ``position_ids`` that restart (what a padding-free
+collator passes; one process builds a packed-sequence mask); ``padded``, the first S/8 tokens
+left padding (``attention_mask``, labels -100 there). Reported per variant: the median fwd+bwd
 step (the slowest rank's), its ratio to one process, the bytes autograd saves for backward during
 the forward (``saved_tensors_hooks``, unique storages; per rank) and the peak resident memory the
 step adds over the loaded model (``ru_maxrss`` after the steps minus RSS before the first forward).
 torch's own ``context_parallel`` needs the flash/efficient SDPA kernels (CUDA) and is not run here.
 
-    python benchmarks/cp_step.py                      # S = 2k, 4k, 8k at cp=2 (a few minutes, 2 cores)
+    python benchmarks/cp_step.py                      # S = 2k, 4k, 8k at cp=2, plain batches (a few minutes, 2 cores)
+    python benchmarks/cp_step.py --seqs 8192 --batches packed,padded
     python benchmarks/cp_step.py --seqs 1024,2048 --repeats 1
     python benchmarks/cp_step.py --smoke              # S = 64, one repeat of one step: does every variant run?
 """
@@ -38,6 +43,7 @@ from typing import Any
 from _spawn import collect
 
 VARIANTS = ("one process", "cp", "cp ulysses", "cp, K/V saved")
+BATCHES = ("plain", "packed", "padded")
 
 
 def _args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -51,10 +57,14 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=512)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--batches", default="plain", help="comma list of plain, packed, padded")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, one repeat of one step (overrides the sizes)")
     args = p.parse_args(argv)
     if args.smoke:
         args.seqs, args.hidden, args.layers, args.steps, args.repeats = "64", 32, 1, 1, 1
+        args.batches = "packed,padded"  # the masked rows; plain runs the same calls with fewer of them
+    if set(args.batches.split(",")) - set(BATCHES):
+        p.error(f"--batches: {args.batches!r}: each must be one of {', '.join(BATCHES)}")
     return args
 
 
@@ -78,7 +88,24 @@ def _rss_kib() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
 
 
-def _saved_bytes(model, ids) -> int:
+def _inputs(batch: str, seq: int) -> dict[str, Any]:
+    import torch
+
+    torch.manual_seed(1)
+    ids = torch.randint(0, 512, (1, seq))
+    inputs = {"input_ids": ids, "labels": ids.clone()}
+    if batch == "packed":  # four documents: positions restart at each
+        starts = [0, int(seq * 0.3), int(seq * 0.55), int(seq * 0.8), seq]
+        inputs["position_ids"] = torch.cat([torch.arange(b - a) for a, b in zip(starts, starts[1:], strict=False)])[None]
+    elif batch == "padded":
+        mask = torch.ones(1, seq, dtype=torch.long)
+        mask[:, : seq // 8] = 0
+        inputs["attention_mask"] = mask
+        inputs["labels"] = ids.masked_fill(mask == 0, -100)
+    return inputs
+
+
+def _saved_bytes(model, inputs) -> int:
     import torch
 
     storages: dict[int, int] = {}
@@ -88,56 +115,61 @@ def _saved_bytes(model, ids) -> int:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model(input_ids=ids, labels=ids).loss
+        loss = model(**inputs).loss
     loss.backward()
     return sum(storages.values())
 
 
-def _run(model, ids, steps: int, barrier) -> tuple[float, int, int]:
+def _run(model, inputs, steps: int, barrier) -> tuple[float, int, int]:
     base = _rss_kib()
     times = []
     for _ in range(steps + 1):  # the first is a warm-up
         barrier()
         start = time.perf_counter()
-        loss = model(input_ids=ids, labels=ids).loss
+        loss = model(**inputs).loss
         loss.backward()
         for p in model.parameters():
             p.grad = None
         times.append(time.perf_counter() - start)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base
-    return statistics.median(times[1:]), _saved_bytes(model, ids), peak * 1024
+    return statistics.median(times[1:]), _saved_bytes(model, inputs), peak * 1024
 
 
 def _keep_gathered() -> None:
-    """The 'K/V saved' variant: autograd through the gather (no custom Function)."""
+    """The 'K/V saved' variant: autograd through the gather and one SDPA with the [S/C x S] mask."""
+    import torch
+    import torch.nn.functional as F
+
     from hp_lazy.runtime.comm import gather_kv
-    from hp_lazy.runtime.cp import attention
+    from hp_lazy.runtime.cp import blocks
     from hp_lazy.runtime.cp.state import current
 
-    def apply(q, k, v, mask, scale, g, whole):  # _GatheredAttention.apply's arguments
-        kg, vg = (k, v) if whole else gather_kv(k, v, g, 2)
-        return attention._attend(q, kg, vg, mask, scale)
-
-    def causal(q, k, v, scale, g, zig, whole):  # _ZigzagCausal.apply's arguments
+    def apply(q, k, v, scale, plan, vis, kernel, exchange):  # BlockAttention.apply's arguments
         state = current()
         assert state is not None
-        return apply(q, k, v, state.mask(True, None), scale, g, whole)
+        zig = state.zig
+        kg, vg = gather_kv(k, v, state.group, 2)
+        kg, vg = kg.index_select(2, zig.inverse), vg.index_select(2, zig.inverse)
+        groups = q.shape[1] // k.shape[1]
+        kg, vg = kg.repeat_interleave(groups, 1), vg.repeat_interleave(groups, 1)
+        mask = torch.cat([vis.mask(start, start + n, 0, zig.seq, q.device) for _, start, n in zig.runs()], dim=2)
+        return F.scaled_dot_product_attention(q, kg, vg, attn_mask=mask, scale=scale)
 
-    attention._GatheredAttention.apply = staticmethod(apply)  # type: ignore[method-assign]
-    attention._ZigzagCausal.apply = staticmethod(causal)  # type: ignore[method-assign]
+    blocks.BlockAttention.apply = staticmethod(apply)  # type: ignore[method-assign]
 
 
-def _worker(rank: int, world: int, variant: str, path: str, seq: int, steps: int, port: int, queue: Any) -> None:
+def _worker(
+    rank: int, world: int, variant: str, batch: str, path: str, seq: int, steps: int, port: int, queue: Any
+) -> None:
     import torch
 
-    torch.manual_seed(1)
-    ids = torch.randint(0, 512, (1, seq))
+    inputs = _inputs(batch, seq)
     if variant == "one process":
         torch.set_num_threads(world)
         import transformers
 
         model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        queue.put((rank, _run(model, ids, steps, lambda: None)))
+        queue.put((rank, _run(model, inputs, steps, lambda: None)))
         return
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       LOCAL_RANK=str(rank), GLOO_SOCKET_IFNAME="lo")
@@ -151,14 +183,14 @@ def _worker(rank: int, world: int, variant: str, path: str, seq: int, steps: int
     if variant == "cp, K/V saved":
         _keep_gathered()
     model = hp_lazy.parallelize(transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
-    step, saved, peak = _run(model, ids, steps, dist.barrier)
+    step, saved, peak = _run(model, inputs, steps, dist.barrier)
     slowest = torch.tensor([step])
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     queue.put((rank, (float(slowest), saved, peak)))
     dist.destroy_process_group()
 
 
-def _launch(args: argparse.Namespace, variant: str, path: str, seq: int) -> tuple[float, int, int]:
+def _launch(args: argparse.Namespace, variant: str, batch: str, path: str, seq: int) -> tuple[float, int, int]:
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -167,11 +199,11 @@ def _launch(args: argparse.Namespace, variant: str, path: str, seq: int) -> tupl
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ranks = 1 if variant == "one process" else args.world
-    procs = [ctx.Process(target=_worker, args=(r, args.world, variant, path, seq, args.steps, port, queue))
+    procs = [ctx.Process(target=_worker, args=(r, args.world, variant, batch, path, seq, args.steps, port, queue))
              for r in range(ranks)]
     for p in procs:
         p.start()
-    results = collect(procs, queue, f"{variant} at S={seq}")
+    results = collect(procs, queue, f"{variant} at S={seq}, {batch} batch")
     for p in procs:
         p.join()
     return results[0]
@@ -188,24 +220,26 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.repeats} repeats (medians); saved = bytes autograd keeps for backward per rank; peak = resident "
         "memory a step adds per rank",
         "",
-        "| S | variant | step s | step / one process | saved MiB | saved / one process | peak MiB | peak / one process |",
-        "|---|---|---|---|---|---|---|---|",
+        "| S | batch | variant | step s | step / one process | saved MiB | saved / one process | peak MiB | "
+        "peak / one process |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     with tempfile.TemporaryDirectory() as root:
         for seq in seqs:
             path = _build(args, root, seq)
-            runs: dict[str, list[tuple[float, int, int]]] = {v: [] for v in VARIANTS}
-            for _ in range(args.repeats):
+            for batch in args.batches.split(","):
+                runs: dict[str, list[tuple[float, int, int]]] = {v: [] for v in VARIANTS}
+                for _ in range(args.repeats):
+                    for variant in VARIANTS:
+                        runs[variant].append(_launch(args, variant, batch, path, seq))
+                base = [statistics.median(x[i] for x in runs["one process"]) for i in range(3)]
                 for variant in VARIANTS:
-                    runs[variant].append(_launch(args, variant, path, seq))
-            base = [statistics.median(x[i] for x in runs["one process"]) for i in range(3)]
-            for variant in VARIANTS:
-                step, saved, peak = (statistics.median(x[i] for x in runs[variant]) for i in range(3))
-                lines.append(
-                    f"| {seq} | {variant} | {step:.2f} | {step / base[0]:.2f} | {saved / 2**20:.0f} | "
-                    f"{saved / base[1]:.2f} | {peak / 2**20:.0f} | {peak / max(base[2], 1):.2f} |"
-                )
-            print(lines[-len(VARIANTS):], flush=True)
+                    step, saved, peak = (statistics.median(x[i] for x in runs[variant]) for i in range(3))
+                    lines.append(
+                        f"| {seq} | {batch} | {variant} | {step:.2f} | {step / base[0]:.2f} | {saved / 2**20:.0f} | "
+                        f"{saved / base[1]:.2f} | {peak / 2**20:.0f} | {peak / max(base[2], 1):.2f} |"
+                    )
+                print(lines[-len(VARIANTS):], flush=True)
     print("\n".join(lines))
     return 0
 

@@ -53,7 +53,7 @@ def test_device_check_smoke(tmp_path: Path) -> None:
         if r[0] == "graph breaks":
             hp, plain = map(int, re.fullmatch(r"hp_lazy (\d+), plain (\d+)", r[2]).groups())
             assert hp == plain, r
-        if r[0] == "cp attention":  # on the CPU causal attention is two flash calls per chunk: no S x S mask
+        if r[0] == "cp attention":  # blockwise flash calls merged by log-sum-exp: no S x S mask
             assert "[S/C x S] tensors: 0 " in r[2] and "_scaled_dot_product_flash_attention_for_cpu" in r[3], r
 
 
@@ -69,10 +69,11 @@ def test_device_check_smoke(tmp_path: Path) -> None:
 ])
 def test_benchmark_smoke(script: str, variants: tuple[str, ...], tmp_path: Path) -> None:
     rows = _rows(_run(script, tmp_path))
-    named = [r for r in rows if any(c in variants for c in r[:2])]
-    found = [next(c for c in r[:2] if c in variants) for r in named]
-    assert sorted(found) == sorted(variants), rows
-    assert all(re.fullmatch(r"[\d.]+", c) for r in named for c in r[2:3] if script not in ("step_time.py", "coverage.py")), named
+    named = [r for r in rows if any(c in variants for c in r[:3])]
+    at = [next(i for i, c in enumerate(r[:3]) if c in variants) for r in named]  # cp_step: S | batch | variant
+    assert sorted({r[i] for r, i in zip(named, at, strict=True)}) == sorted(variants), rows
+    if script not in ("step_time.py", "coverage.py"):  # the first number after the name
+        assert all(re.fullmatch(r"[\d.]+", r[i + 1]) for r, i in zip(named, at, strict=True)), named
     if script == "step_time.py":
         assert all(re.match(r"[\d.]+ / [\d.]+", r[1]) for r in named), named  # a time, not "skipped: ..."
     if script == "ep_step.py":  # the step's loss against one process's

@@ -2,8 +2,9 @@
 
 A :class:`CallState` lives for one call of the bound root (a context variable, so a forward in
 another thread sees its own): the zigzag layout, the global position ids, the document ids of
-packed sequences and the key padding mask, and the attention masks built from them — one per
-(causal, window) kind, built on first use and shared by every layer of that kind.
+packed sequences and the key padding mask, and the blockwise attention plans made from them
+(:mod:`hp_lazy.runtime.cp.blocks`) — one per (causal, window) kind and query layout, made on first
+use on the host and shared by every layer of that kind.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 import torch
 
+from hp_lazy.runtime.cp.blocks import Plan, Visibility, plan, tile_for
 from hp_lazy.runtime.cp.zigzag import Zigzag
 from hp_lazy.runtime.mesh import Group
 
@@ -34,37 +36,19 @@ class CallState:
     """``[B, S]`` packed-sequence ids (transformers' detection: positions that do not step by 1), or None."""
     key_padding: torch.Tensor | None
     """``[B, S]`` bool, True for tokens that may be attended to (a 2-D attention mask), or None."""
-    masks: dict[tuple[bool, bool, int | None], torch.Tensor | None] = field(default_factory=dict)
+    plans: dict[tuple, tuple[Visibility, Plan]] = field(default_factory=dict)
 
-    def mask(self, causal: bool, window: int | None, *, whole: bool = False) -> torch.Tensor | None:
-        """``[B or 1, 1, S/C, S]`` bool: local query rows x all-gathered key rows (``whole``: ``[.., S, S]``,
-        every query and key in sequence order, for Ulysses); None for no mask."""
-        key = (whole, causal, window)
-        if key not in self.masks:
-            self.masks[key] = self._build(causal, window, whole)
-        return self.masks[key]
+    def visibility(self, causal: bool, window: int | None) -> Visibility:
+        """Which keys a query may attend to, for an attention layer of this (causal, window) kind."""
+        return Visibility(causal, window, self.docs, self.key_padding)
 
-    def _build(self, causal: bool, window: int | None, whole: bool = False) -> torch.Tensor | None:
-        everyone = torch.arange(self.zig.seq, device=self.zig.local.device)
-        rows, cols = (everyone, everyone) if whole else (self.zig.local, self.zig.gathered)
-        q = rows[:, None]
-        k = cols[None, :]
-        mask: torch.Tensor | None = None
-        if causal:
-            mask = k <= q
-        if window is not None:  # transformers' attention-function convention: |q - k| < window
-            near = k > q - window
-            if not causal:  # a bidirectional window reaches as far forward as back
-                near = near & (k < q + window)
-            mask = near if mask is None else mask & near
-        mask = None if mask is None else mask[None, None]
-        if self.docs is not None:
-            same = self.docs[:, rows][:, None, :, None] == self.docs[:, cols][:, None, None, :]
-            mask = same if mask is None else mask & same
-        if self.key_padding is not None:
-            keys = self.key_padding[:, cols][:, None, None, :]
-            mask = keys if mask is None else mask & keys
-        return mask
+    def plan(self, vis: Visibility, runs: list[tuple[int, int, int]], max_keys: int | None) -> Plan:
+        """The blockwise calls for query ``runs`` (``(local start, global start, length)``) under ``vis``."""
+        key = (vis.causal, vis.window, tuple(runs), max_keys)
+        if key not in self.plans:
+            tile = tile_for(runs[0][2])
+            self.plans[key] = (vis, plan(runs, self.zig.seq, vis, tile, max_keys))
+        return self.plans[key][1]
 
 
 def current() -> CallState | None:

@@ -30,6 +30,11 @@ class Zigzag:
     def local_len(self) -> int:
         return self.seq // self.size
 
+    def runs(self) -> list[tuple[int, int, int]]:
+        """This rank's rows as ``(local start, global start, length)``: its two chunks."""
+        c = self.seq // (2 * self.size)
+        return [(0, self.rank * c, c), (c, (2 * self.size - 1 - self.rank) * c, c)]
+
 
 def _rows(seq: int, size: int, rank: int) -> torch.Tensor:
     c = seq // (2 * size)
