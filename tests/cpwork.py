@@ -64,7 +64,8 @@ def load(path: str):
     import transformers
 
     torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    architecture = transformers.AutoConfig.from_pretrained(path).architectures[0]  # a base model for BASE_ONLY ones
+    return getattr(transformers, architecture).from_pretrained(path, dtype=torch.float32)
 
 
 def reference(path: str, data: dict[str, Any]) -> dict[str, Any]:
@@ -102,8 +103,9 @@ def count(rank: int, world: int, path: str, data: dict[str, Any]) -> dict[str, d
 
 
 def error(rank: int, world: int, path: str, data: dict[str, Any]) -> str:
-    model = load(path)
+    """What loading the model and one forward raise (a model cp cannot split is refused at load)."""
     try:
+        model = load(path)
         model(**data)
     except Exception as exc:
         return f"{type(exc).__name__}: {exc}"

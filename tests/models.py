@@ -72,6 +72,10 @@ MORE_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
                                             "n_group": 1, "topk_group": 1}),
     # GPT-OSS: experts with biases and a clamped SwiGLU, forward(hidden_states, router_indices,
     # routing_weights); a router with a bias (mlp.router); attention sinks, a sliding layer and a full one
+    "gemma2": ("Gemma2Config", {"head_dim": 8}),  # logit softcapping (50)
+    "mistral_large4_text": ("MistralLarge4TextConfig", {  # transformers 5.25: DSA (a top-k indexer), MLA
+        "kv_lora_rank": 8, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4, "v_head_dim": 8, "q_lora_rank": None,
+        "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}),
     "gpt_oss": ("GptOssConfig", {"head_dim": 8, "num_local_experts": 4, "num_experts_per_tok": 2,
                                  "intermediate_size": 16, "sliding_window": 6,
                                  "rope_parameters": {"rope_type": "yarn", "factor": 2.0, "beta_fast": 32.0,
@@ -99,7 +103,7 @@ MORE_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 """Models only some test modules use (the parity modules sweep :data:`CONFIGS`)."""
 
-BASE_ONLY = ("muse_spark",)
+BASE_ONLY = ("muse_spark", "mistral_large4_text")
 """Families with no causal-LM head: built as ``AutoModel`` (the tests take a loss of the hidden states)."""
 
 BASE = dict(

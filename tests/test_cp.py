@@ -86,6 +86,26 @@ REFUSED = [
 ]
 
 
+UNSPLITTABLE = [
+    ("gemma2", "Gemma2ForCausalLM", "model.layers.0.self_attn", "softcaps its attention logits"),
+    ("gpt_oss", "GptOssForCausalLM", "model.layers.0.self_attn", "has attention sinks"),
+    ("mistral_large4_text", "MistralLarge4TextModel", "layers.0.self_attn",
+     "selects its keys with a DSA indexer (top-k over the whole sequence's keys, or the top-k of an earlier layer)"),
+]
+
+
+@pytest.mark.parametrize(("name", "family", "fqn", "why"), UNSPLITTABLE, ids=[u[0] for u in UNSPLITTABLE])
+def test_attention_cp_cannot_split_is_refused_by_layer(ready, name: str, family: str, fqn: str, why: str) -> None:
+    """Never a torch shape error: the first attention layer named, with the reason."""
+    if not hasattr(__import__("transformers"), models.MORE_CONFIGS[name][0]):
+        pytest.skip(f"this transformers has no {models.MORE_CONFIGS[name][0]}")
+    pool, root = ready
+    path = models.build(name, root)
+    got = pool.run(cpwork.error, path, {"input_ids": models.batch()})
+    assert got == [f"ShardingError: {fqn} ({family}): context parallel cannot split this attention over the "
+                   f"sequence: it {why}; train this family without cp"] * 2
+
+
 @pytest.mark.parametrize(("data", "expected"), REFUSED, ids=[e.split(" under")[0][:30] for _, e in REFUSED])
 def test_what_cp_cannot_split_is_refused_by_name(ready, data, expected: str) -> None:
     pool, root = ready

@@ -47,6 +47,8 @@ class ContextParallelStyle:
         refusals = [
             (getattr(module, "sinks", None) is not None, "has attention sinks"),
             (getattr(config, "attn_logit_softcapping", None) not in (None, 0), "softcaps its attention logits"),
+            (hasattr(module, "indexer"), "selects its keys with a DSA indexer (top-k over the whole sequence's keys, "
+             "or the top-k of an earlier layer)"),
             (float(getattr(config, "attention_dropout", 0.0) or 0.0) > 0, "has attention dropout > 0 (set "
              "attention_dropout=0: ranks would draw different masks than one process)"),
         ]
