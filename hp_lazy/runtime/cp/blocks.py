@@ -87,9 +87,9 @@ class Call:
 
 @dataclass(frozen=True)
 class Plan:
+    """The calls of one forward's attention layers of one visibility kind, in order."""
+
     calls: tuple[Call, ...]
-    rows: int
-    """Local query rows in all."""
 
 
 def tile_for(length: int) -> int:
@@ -131,7 +131,7 @@ def plan(
                     calls.append(Call(rows, (k0, k1), kind, span))
             if run is not None:
                 calls.append(Call(rows, (run, seq), "full", span))
-    return Plan(tuple(calls), max((local + length for local, _, length in runs), default=0))
+    return Plan(tuple(calls))
 
 
 def _ranges(docs: torch.Tensor, seq: int, tile: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -188,6 +188,8 @@ def _span(
     """Bounds ``[B]`` of the document ids over positions ``[p0, p1)``: over the tiles that cover
     them (exact for aligned tiles, a superset otherwise, which only ever makes a tile masked)."""
     tiles = ranges[p0 // tile : (p1 - 1) // tile + 1]
+    if len(tiles) == 1:
+        return tiles[0]
     return torch.stack([t[0] for t in tiles]).amin(0), torch.stack([t[1] for t in tiles]).amax(0)
 
 
