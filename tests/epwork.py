@@ -7,6 +7,7 @@ losses (DDP's convention, which hp_lazy's gradient owner follows) is the global 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import models
@@ -414,3 +415,44 @@ def train_misrouted(rank: int, world: int, path: str, data: dict[str, Any]) -> d
         return train(rank, world, path, data, "eager")
     finally:
         dispatch.keep_local = original
+
+
+def a2a_bytes(rank: int, world: int, path: str, data: dict[str, Any], split: bool = True) -> dict[str, int]:
+    """Bytes this rank hands to other ranks in all-to-alls, and in all-gathers, in one forward and
+    backward on its dp rank's rows, counted by wrapping torch.distributed itself (not hp_lazy's
+    counter). ``split=False``: every tp rank dispatches all its tokens (the layout before)."""
+    import torch.distributed as tdist
+
+    import hp_lazy
+    from hp_lazy.names import EP_DISPATCH
+    from hp_lazy.runtime.comm import wire
+
+    counted = {"all_to_all": 0, "all_gather": 0}
+    real_a2a, real_ag = tdist.all_to_all_single, wire._gather_single  # the torch function hp_lazy calls
+
+    def a2a(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
+        me = tdist.get_rank(group)
+        rows = input_split_sizes or [input.shape[0] // tdist.get_world_size(group)] * tdist.get_world_size(group)
+        row = input[0].numel() * input.element_size() if input.shape[0] else 0
+        counted["all_to_all"] += sum(n for r, n in enumerate(rows) if r != me) * row
+        return real_a2a(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
+
+    def ag(output, input, group=None, async_op=False):
+        counted["all_gather"] += input.numel() * input.element_size() * (tdist.get_world_size(group) - 1)
+        return real_ag(output, input, group=group, async_op=async_op)
+
+    model = hp_lazy.parallelize(load(path))
+    if not split:
+        for module in model.modules():
+            spec = module.__dict__.get(EP_DISPATCH)
+            if spec is not None:
+                module.__dict__[EP_DISPATCH] = dataclasses.replace(spec, split=None)
+    dp, _, _ = _dp_tools()
+    rows = data["input_ids"].shape[0] // dp.size
+    mine = {k: v[dp.rank * rows : (dp.rank + 1) * rows] for k, v in data.items()}
+    tdist.all_to_all_single, wire._gather_single = a2a, ag
+    try:
+        model(**mine).loss.backward()
+    finally:
+        tdist.all_to_all_single, wire._gather_single = real_a2a, real_ag
+    return counted

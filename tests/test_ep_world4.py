@@ -1,8 +1,10 @@
 """Expert parallel x tensor parallel at world 4 (ep=2, tp=2: dp=2, the ep group carved out of the
-two dp ranks of each tp rank). The experts are cut on ep and, inside each ep slice, on tp as
-experts-TP cuts them: each tp rank dispatches its dp rank's tokens over its ep group, computes
-its tp slice of its local experts, and the experts' exit all-reduce over tp sums the slices.
-One process's loss, logits, routing, every gradient and 3 SGD+wd steps."""
+two dp ranks of each tp rank). The experts are cut on ep. Where the TP plan also cuts them
+(transformers 5.24's experts-TP entries), each tp rank dispatches its dp rank's tokens over its ep
+group, computes its tp slice of its local experts, and the experts' exit all-reduce over tp sums
+the slices; where it leaves them whole (5.25's plans, GPT-OSS and Muse Spark on both), each tp
+rank dispatches its own share of the tokens and the outputs are gathered over tp. One process's
+loss, logits, routing, every gradient and 3 SGD+wd steps; the all-to-all bytes of the shares."""
 
 from __future__ import annotations
 
@@ -51,3 +53,20 @@ def test_ep_tp_with_experts_the_tp_plan_leaves_whole(ready, name: str, dtype: st
     pool, root = ready
     results, ref = epwork.check(pool, models.build(name, root), "eager", dtype=dtype)
     assert results[0]["local_experts"] == [models.MORE_CONFIGS[name][1]["num_local_experts"] // 2] * len(ref["routing"])
+
+
+def test_tp_ranks_dispatch_their_share_of_the_tokens(ready) -> None:
+    """Experts the TP plan leaves whole (every family on transformers 5.25): each tp rank dispatches
+    half its dp rank's tokens, so the all-to-all bytes per rank are half of every tp rank
+    dispatching all of them (what ep=2 alone sends), counted on torch.distributed itself. The
+    price is one all-gather of the experts' output over tp (and its gradient's in backward)."""
+    pool, root = ready
+    path = models.build("gpt_oss", root)  # its TP plan leaves the experts whole on 5.24 too
+    data = epwork.batch(rows=2, seq=16)
+    shared = pool.run(epwork.a2a_bytes, path, data)
+    before = pool.run(epwork.a2a_bytes, path, data, split=False)
+    ratios = [now["all_to_all"] / then["all_to_all"] for now, then in zip(shared, before, strict=True)]
+    assert sum(ratios) / len(ratios) <= 0.55, (shared, before)  # each rank's share varies with the routing
+    for peers in ((0, 1), (2, 3)):  # the tp ranks of one dp rank send, together, what one of them sent
+        together = sum(shared[r]["all_to_all"] for r in peers)
+        assert together <= 1.02 * before[peers[0]]["all_to_all"], (shared, before)

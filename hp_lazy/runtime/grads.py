@@ -18,7 +18,9 @@ Rules, per parameter (a :class:`GradRule`; the styles say which parameters are p
   gradient already sums the contributions of every token of its ep group (the all-to-all's
   backward brought them), so it is summed over the expert-data-parallel ranks only (those
   holding the same slice, ``dp * cp / ep``) and divided by dp like every dense gradient, which
-  makes it one process's gradient over the concatenated global batch. Expert parallel needs
+  makes it one process's gradient over the concatenated global batch; where the experts are whole
+  on tp and each tp rank dispatched its own share of the tokens, over the edp ranks of every tp
+  rank (``"edp+tp"``). Expert parallel needs
   hp_lazy to own dp (``data_parallel=True``): DDP would average it over every dp rank.
 
 When (:class:`BucketReducer`, hp_lazy owns every reduction): parameters are grouped into buckets
@@ -56,7 +58,7 @@ from torch.nn.parallel import DistributedDataParallel
 from hp_lazy.errors import ShardingError
 from hp_lazy.runtime import record
 from hp_lazy.runtime.comm import wire
-from hp_lazy.runtime.mesh import EDP, Group, Mesh
+from hp_lazy.runtime.mesh import EDP, EDP_TP, Group, Mesh
 
 __all__ = ["GradOwner", "GradRule", "no_sync"]
 
@@ -458,6 +460,9 @@ def rules_for(
         if partial.get(fqn, ("",))[0] == EDP:
             if mesh.degree("dp") * mesh.degree("cp") > mesh.ep or dp > 1:  # edp ranks, or the dp mean
                 rules[fqn] = GradRule(axes=(EDP,), average=dp)
+            continue
+        if partial.get(fqn, ("",))[0] == EDP_TP:  # and the tp ranks' token shares
+            rules[fqn] = GradRule(axes=(EDP_TP,), average=dp)
             continue
         if fqn in partial:
             axis, slots, slot = partial[fqn]

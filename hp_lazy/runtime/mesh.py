@@ -46,6 +46,9 @@ WORLD_AXES: tuple[str, ...] = ("dp", "cp", "tp")
 """The axes that factor the world, outermost first (the device mesh dims)."""
 EDP = "edp"
 """The expert-data-parallel group's name (:meth:`Mesh.group_of`)."""
+EDP_TP = "edp+tp"
+"""The expert-data-parallel ranks of every tp rank: those holding an expert slice that tp leaves
+whole, where each tp rank dispatches its own share of the tokens (:meth:`Mesh.group_of`)."""
 
 _ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 TIMEOUT_ENV = "HP_LAZY_PG_TIMEOUT_S"
@@ -227,6 +230,13 @@ class Mesh:
                 return Group.solo(EDP)
             return self._enumerated((EDP, "dedicated") if dedicated else (EDP,), self._edp_runs(),
                                     reuse_world=not dedicated)
+        if axes == (EDP_TP,):
+            if self.degree("tp") == 1:
+                return self.group_of((EDP,), dedicated=dedicated)
+            if self.device_mesh is None or self.ep == 1:
+                return Group.solo(EDP_TP)
+            return self._enumerated((EDP_TP, "dedicated") if dedicated else (EDP_TP,), self._edp_tp_runs(),
+                                    reuse_world=not dedicated)
         used = tuple(a for a in WORLD_AXES if a in axes and self.degree(a) > 1)
         unknown = [a for a in axes if a not in WORLD_AXES]
         if unknown:
@@ -282,6 +292,14 @@ class Mesh:
         token_axes = tuple(a for a in ("dp", "cp") if self.degree(a) > 1)
         runs = self._runs(token_axes) if len(token_axes) > 1 else self._axis_runs(token_axes[0])
         return [run[j :: self.ep] for run in runs for j in range(self.ep)]
+
+    def _edp_tp_runs(self) -> list[list[int]]:
+        """The ranks holding the same expert slice when the experts are whole on tp: the edp ranks
+        of every tp rank (:func:`hp_lazy.runtime.ep.dispatch.split_tokens`)."""
+        token_axes = tuple(a for a in ("dp", "cp") if self.degree(a) > 1)
+        tp = self.degree("tp")
+        return [[rank for f, rank in enumerate(run) if (f // tp) % self.ep == j]
+                for run in self._runs((*token_axes, "tp")) for j in range(self.ep)]
 
     def _axis_runs(self, axis: str) -> list[list[int]]:
         return self._runs((axis,)) if self.device_mesh is not None else []

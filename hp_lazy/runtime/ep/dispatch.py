@@ -61,6 +61,9 @@ class Dispatch:
     """The names of the class's forward parameters holding the top-k ids and weights."""
     local: bool = False
     """The ranks of ``group`` hold the same tokens (region ``tp_experts``): :func:`keep_local`."""
+    split: Group | None = None
+    """The tp group, when its ranks hold the same tokens and whole (tp-replicated) experts: each
+    dispatches its share of the tokens (:func:`split_tokens`)."""
 
 
 class ExpertDispatch(_Module):
@@ -78,7 +81,7 @@ class ExpertDispatch(_Module):
                     f"{', '.join(spec.routing)}), got {len(args)} more positional and keywords {sorted(kwargs)}"
                 )
             index, weights = routing[spec.routing[0]], routing[spec.routing[1]]
-        run = keep_local if spec.local else dispatch
+        run = keep_local if spec.local else split_tokens if spec.split is not None else dispatch
         return run(self, super().forward, spec, hidden_states, index, weights)
 
 
@@ -131,6 +134,60 @@ def keep_local(
     out = connect(out, rows, [p for p in module.parameters()])
     slots = out.new_zeros(tokens * k, out.shape[-1]).index_add(0, pairs, out).view(tokens, k, -1)
     return (slots * w.unsqueeze(-1).to(slots.dtype)).sum(1)
+
+
+def split_tokens(
+    module: Any, experts_forward: Any, spec: Dispatch, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor
+) -> torch.Tensor:
+    """Expert parallel under tp with tp-replicated experts: the tp ranks hold the same tokens, so
+    each dispatches its share (contiguous, sizes differing by at most one) over the ep group and
+    the outputs are gathered over tp. All-to-all rows per rank are 1/tp of each rank dispatching
+    every token; the gather's backward keeps this rank's rows (the tp ranks' output gradients are
+    the same), the share's backward gathers the rows' gradients (each rank computed its own)."""
+    g = spec.split
+    assert g is not None
+    sizes = [len(part) for part in torch.arange(x.shape[0]).tensor_split(g.size)]
+    start = sum(sizes[: g.rank])
+    mine = slice(start, start + sizes[g.rank])
+    out = dispatch(module, experts_forward, spec, _Share.apply(x, g, sizes), idx[mine], _Share.apply(w, g, sizes))
+    module.__dict__[EP_LOAD] = torch.bincount(idx.reshape(-1), minlength=spec.num_global).detach()  # every token
+    return _Joined.apply(out, g, sizes)
+
+
+def _rows_of(x: torch.Tensor, g: Group, sizes: list[int], phase: wire.Phase) -> torch.Tensor:
+    """Every tp rank's rows (``sizes[r]`` of them) in rank order: one all-gather, padded to the largest."""
+    most = max(sizes)
+    padded = torch.cat([x, x.new_zeros(most - x.shape[0], *x.shape[1:])]) if x.shape[0] < most else x
+    full = wire.all_gather(padded.contiguous(), g, 0, phase)
+    return torch.cat([full[r * most : r * most + n] for r, n in enumerate(sizes)])
+
+
+class _Share(torch.autograd.Function):
+    """This tp rank's rows of a tensor every tp rank holds; backward: the full gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, g: Group, sizes: list[int]) -> torch.Tensor:
+        ctx.g, ctx.sizes = g, sizes
+        start = sum(sizes[: g.rank])
+        return x[start : start + sizes[g.rank]].clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _rows_of(grad, ctx.g, ctx.sizes, "backward"), None, None
+
+
+class _Joined(torch.autograd.Function):
+    """Every tp rank's rows, joined; backward: this rank's rows of the (tp-replicated) gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, g: Group, sizes: list[int]) -> torch.Tensor:
+        ctx.g, ctx.sizes = g, sizes
+        return _rows_of(x, g, sizes, "forward")
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        start = sum(ctx.sizes[: ctx.g.rank])
+        return grad[start : start + ctx.sizes[ctx.g.rank]].contiguous(), None, None
 
 
 def _inverse(perm: torch.Tensor) -> torch.Tensor:

@@ -13,9 +13,13 @@ every style, :mod:`hp_lazy.runtime.style`):
 - ``after_partition``: ``num_experts`` becomes the local count (the class's own kernels index
   the local slice with local ids);
 - ``attach``: the region (:mod:`.dispatch`) in front of the class's own forward, inside the
-  contract's entry/exit ops (with tp the experts are also cut on tp: each tp rank dispatches the
-  same tokens over its ep group, computes its tp slice of its experts, and the exit all-reduce
-  over tp sums the slices, as experts-TP does);
+  contract's entry/exit ops. Under tp: where the plan also cuts the experts on tp (5.24's
+  experts-TP entries), each tp rank dispatches the same tokens over its ep group, computes its tp
+  slice of its experts, and the exit all-reduce over tp sums the slices; where tp leaves them
+  whole (5.25's plans), each tp rank dispatches its own share of the tokens and the outputs are
+  gathered over tp (:func:`~hp_lazy.runtime.ep.dispatch.split_tokens`: all-to-all rows per rank
+  1/tp of the former; the experts' gradients are then summed over ``"edp+tp"``, the whole
+  parameters' over tp);
 - ``gradients``: the expert shards' gradients are summed over the expert-data-parallel ranks only
   (:func:`hp_lazy.runtime.grads.rules_for`); the router and shared experts stay replicated and
   are averaged over dp like every dense parameter, and so are the parameters the region keeps
@@ -44,7 +48,7 @@ from hp_lazy.runtime import adapters, leaves
 from hp_lazy.runtime.binding import Binding
 from hp_lazy.runtime.ep import aux
 from hp_lazy.runtime.ep.dispatch import Dispatch, ExpertDispatch
-from hp_lazy.runtime.mesh import EDP, Group
+from hp_lazy.runtime.mesh import EDP, EDP_TP, Group
 from hp_lazy.runtime.style import BindContext, params_matching
 
 FORWARD = ("hidden_states", "top_k_index", "top_k_weights")
@@ -159,14 +163,14 @@ def check_region(fqn: str, module: nn.Module, contract: Contract, region: Region
             )
 
 
-def mount(module: nn.Module, group: Group, *, local: bool) -> None:
+def mount(module: nn.Module, group: Group, *, local: bool, split: Group | None = None) -> None:
     """The region's spec on the module; ``num_experts`` becomes the count this rank runs (the
     class's own kernels index its slice with local ids)."""
     total: int = module.num_experts  # type: ignore[assignment]
     routing = _forward_names(module)[1:]
     module.__dict__[EP_DISPATCH] = Dispatch(
         group=group, num_local=total // group.size, num_global=total, routing=routing,  # type: ignore[arg-type]
-        local=local,
+        local=local, split=split,
     )
     setattr(module, "num_experts", total // group.size)
 
@@ -204,7 +208,10 @@ class ExpertParallelStyle:
     ) -> None:
         if not _is_region(contract):
             return
-        mount(module, ctx.groups["ep"], local=False)
+        tp = ctx.groups.get("tp")
+        cut_on_tp = any(isinstance(axes.get("tp"), Shard) for axes in contract.params.values())
+        split = tp if tp is not None and tp.size > 1 and not cut_on_tp else None  # whole experts: share the tokens
+        mount(module, ctx.groups["ep"], local=False, split=split)
         self.experts.append((fqn, module, _whole(module, contract)))
 
     def attach(self, fqn: str, module: nn.Module, binding: Binding, ctx: BindContext) -> bool:
@@ -218,12 +225,15 @@ class ExpertParallelStyle:
         regions themselves, not from what this instance saw at bind, so that a refresh (PEFT, a
         resized embedding, a wrapper registered after binding) keeps the rule."""
         for _, module, contract in ctx.bound:
-            if not _is_region(contract) or EP_DISPATCH not in adapters.base_of(module).__dict__:
+            spec = adapters.base_of(module).__dict__.get(EP_DISPATCH)
+            if not _is_region(contract) or spec is None:
                 continue
             whole = _whole(module, contract)
             for name, param in module.named_parameters():
-                if name not in whole:  # whole ones: averaged over dp like any dense parameter
-                    ctx.add_partial(param, EDP)
+                if name not in whole:
+                    ctx.add_partial(param, EDP_TP if spec.split is not None else EDP)
+                elif spec.split is not None:  # a tp rank's share of the tokens: summed over tp, dp-averaged
+                    ctx.add_partial(param, "tp")
 
     def finish(self, ctx: BindContext) -> None:
         if not self.experts:
