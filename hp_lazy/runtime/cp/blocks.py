@@ -211,6 +211,11 @@ class Kernel(Protocol):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
 
+def acc(dtype: torch.dtype) -> torch.dtype:
+    """The dtype outputs and log-sum-exps are merged in: float64 for float64 inputs, else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def _bias(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     if mask is None:
         return None
@@ -235,13 +240,13 @@ class FlashCPU:
         self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float
     ) -> tuple[Tensor, Tensor]:
         out, lse = self.op(q, k, v, 0.0, causal, attn_mask=_bias(mask, q.dtype), scale=scale)
-        return out, _unseen(lse.float(), mask)
+        return out, _unseen(lse.to(acc(q.dtype)), mask)
 
     def backward(
         self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, mask: Tensor | None,
         causal: bool, scale: float,
     ) -> tuple[Tensor, Tensor, Tensor]:
-        return self.op_backward(dout, q, k, v, out, lse.to(torch.float32), 0.0, causal, attn_mask=_bias(mask, q.dtype),
+        return self.op_backward(dout, q, k, v, out, lse.to(acc(q.dtype)), 0.0, causal, attn_mask=_bias(mask, q.dtype),
                                 scale=scale)
 
 
@@ -253,7 +258,7 @@ class MathKernel:
     def _probs(
         self, q: Tensor, k: Tensor, mask: Tensor | None, causal: bool, scale: float, lse: Tensor | None = None
     ) -> tuple[Tensor, Tensor]:
-        s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+        s = torch.matmul(q.to(acc(q.dtype)), k.to(acc(q.dtype)).transpose(-1, -2)) * scale
         if causal:
             n, m = s.shape[-2:]
             s = s.masked_fill(torch.ones(n, m, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
@@ -268,18 +273,18 @@ class MathKernel:
         self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float
     ) -> tuple[Tensor, Tensor]:
         p, lse = self._probs(q, k, mask, causal, scale)
-        return torch.matmul(p, v.float()).to(q.dtype), lse
+        return torch.matmul(p, v.to(acc(q.dtype))).to(q.dtype), lse
 
     def backward(
         self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, mask: Tensor | None,
         causal: bool, scale: float,
     ) -> tuple[Tensor, Tensor, Tensor]:
-        p, _ = self._probs(q, k, mask, causal, scale, lse.float())
-        do = dout.float()
-        dp = torch.matmul(do, v.float().transpose(-1, -2))
-        ds = p * (dp - (do * out.float()).sum(-1, keepdim=True))
-        dq = torch.matmul(ds, k.float()) * scale
-        dk = torch.matmul(ds.transpose(-1, -2), q.float()) * scale
+        p, _ = self._probs(q, k, mask, causal, scale, lse.to(acc(q.dtype)))
+        do = dout.to(acc(q.dtype))
+        dp = torch.matmul(do, v.to(acc(q.dtype)).transpose(-1, -2))
+        ds = p * (dp - (do * out.to(acc(q.dtype))).sum(-1, keepdim=True))
+        dq = torch.matmul(ds, k.to(acc(q.dtype))) * scale
+        dk = torch.matmul(ds.transpose(-1, -2), q.to(acc(q.dtype))) * scale
         dv = torch.matmul(p.transpose(-1, -2), do)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
@@ -341,8 +346,8 @@ def attend(
     """``q [B, H, n, D]`` over ``keys``/``values`` ``[B, kv, S, *]`` in global order: output
     ``[B, H, n, Dv]`` (``q``'s dtype) and log-sum-exp ``[B, H, n]`` (float32)."""
     b, h, n, _ = q.shape
-    out = torch.zeros(b, h, n, values.shape[-1], dtype=torch.float32, device=q.device)
-    lse = torch.full((b, h, n), float("-inf"), dtype=torch.float32, device=q.device)
+    out = torch.zeros(b, h, n, values.shape[-1], dtype=acc(q.dtype), device=q.device)
+    lse = torch.full((b, h, n), float("-inf"), dtype=acc(q.dtype), device=q.device)
     for call in plan.calls:
         rows, k, v, mask = _operands(call, q, keys, values, vis)
         o, part = kernel.forward(rows, k, v, mask, call.kind == "causal", scale)
@@ -353,7 +358,7 @@ def attend(
         merged = torch.logaddexp(old_lse, part)
         safe = merged.masked_fill(torch.isinf(merged), 0.0)
         out[:, :, r0:r1] = (old * (old_lse - safe).exp().unsqueeze(-1)
-                            + o.float() * (part - safe).exp().unsqueeze(-1))
+                            + o.to(out.dtype) * (part - safe).exp().unsqueeze(-1))
         lse[:, :, r0:r1] = merged
     return out.to(q.dtype), lse
 
@@ -366,9 +371,9 @@ def attend_backward(
     h, kv = q.shape[1], keys.shape[1]
     groups = h // kv
     safe = lse.masked_fill(torch.isinf(lse), 0.0)
-    dq = torch.zeros_like(q, dtype=torch.float32)
-    dkeys = torch.zeros_like(keys, dtype=torch.float32)
-    dvalues = torch.zeros_like(values, dtype=torch.float32)
+    dq = torch.zeros_like(q, dtype=acc(q.dtype))
+    dkeys = torch.zeros_like(keys, dtype=dq.dtype)
+    dvalues = torch.zeros_like(values, dtype=dq.dtype)
     for call in plan.calls:
         rows, k, v, mask = _operands(call, q, keys, values, vis)
         r0, r1 = call.rows
@@ -380,13 +385,13 @@ def attend_backward(
             row_lse = row_lse.reshape(row_lse.shape[0], kv, -1)
         gq, gk, gv = kernel.backward(parts[0], rows, k, v, parts[1], row_lse, mask, call.kind == "causal", scale)
         if call.kind == "full":
-            dq[:, :, r0:r1] += _ungrouped(gq, h).float()
-            dkeys[:, :, k0:k1] += gk.float()
-            dvalues[:, :, k0:k1] += gv.float()
+            dq[:, :, r0:r1] += _ungrouped(gq, h).to(dq.dtype)
+            dkeys[:, :, k0:k1] += gk.to(dq.dtype)
+            dvalues[:, :, k0:k1] += gv.to(dq.dtype)
         else:
-            dq[:, :, r0:r1] += gq.float()
-            dkeys[:, :, k0:k1] += _fold(gk.float(), groups)
-            dvalues[:, :, k0:k1] += _fold(gv.float(), groups)
+            dq[:, :, r0:r1] += gq.to(dq.dtype)
+            dkeys[:, :, k0:k1] += _fold(gk.to(dq.dtype), groups)
+            dvalues[:, :, k0:k1] += _fold(gv.to(dq.dtype), groups)
     return dq.to(q.dtype), dkeys.to(keys.dtype), dvalues.to(values.dtype)
 
 
