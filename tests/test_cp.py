@@ -22,7 +22,9 @@ def ready(pool2: DistPool, tmp_path_factory):
 CASES = [("llama_gqa", "plain"), ("qwen3", "plain"), ("llama_bias", "plain"), ("qwen3_sliding", "plain"),
          ("llama_dynamic", "plain"), ("llama_gqa", "packed"), ("llama_gqa", "packed_cached"), ("qwen3_sliding", "packed"),
          ("llama_gqa", "padded"), ("llama_gqa", "left_padded"), ("qwen3_moe", "plain"),
-         ("phi3", "plain"), ("deepseek_v2", "plain"), ("minicpm3", "packed")]  # MLA (DeepSeek-V2: complex RoPE)
+         ("phi3", "plain"), ("deepseek_v2", "plain"), ("minicpm3", "packed"),  # MLA (DeepSeek-V2: complex RoPE)
+         ("gpt_oss", "plain"), ("gpt_oss", "packed"), ("gpt_oss", "padded"),  # attention sinks, sliding + full
+         ("gemma2", "plain"), ("gemma2", "padded")]  # logit softcapping
 
 
 @pytest.mark.parametrize(("name", "kind"), CASES)
@@ -87,8 +89,6 @@ REFUSED = [
 
 
 UNSPLITTABLE = [
-    ("gemma2", "Gemma2ForCausalLM", "model.layers.0.self_attn", "softcaps its attention logits"),
-    ("gpt_oss", "GptOssForCausalLM", "model.layers.0.self_attn", "has attention sinks"),
     ("mistral_large4_text", "MistralLarge4TextModel", "layers.0.self_attn",
      "selects its keys with a DSA indexer (top-k over the whole sequence's keys, or the top-k of an earlier layer)"),
 ]

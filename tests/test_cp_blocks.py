@@ -1,6 +1,7 @@
 """runtime/cp/blocks: blockwise attention merged by log-sum-exp against one dense attention, on
 both kernels (the CPU fused flash kernel and the plain-ops kernel other devices run), over every
-visibility rule context parallel meets; and no ``[S/C x S]`` tensor at S = 8k."""
+visibility rule context parallel meets, with attention sinks and logit softcapping; and no
+``[S/C x S]`` tensor at S = 8k."""
 
 from __future__ import annotations
 
@@ -49,17 +50,23 @@ def _runs(mode: str, rank: int) -> list[tuple[int, int, int]]:
     return [(0, rank * c, c), (c, (2 * C - 1 - rank) * c, c)]
 
 
-def _reference(q, k, v, vis, runs, scale):  # type: ignore[no-untyped-def]
-    """Dense attention in float64; a row that sees no key gives 0 (the fused kernel's convention)."""
+def _reference(q, k, v, vis, runs, scale, sinks=None, softcap=None):  # type: ignore[no-untyped-def]
+    """Dense attention in float64, transformers' eager order (softcap, mask, a sink column per
+    head, softmax, the sink column dropped); a row that sees no key gives 0 (the fused kernel's
+    convention)."""
     rows = torch.cat([torch.arange(start, start + n) for _, start, n in runs])
     mask = torch.cat([vis.mask(start, start + n, 0, S, q.device) for _, start, n in runs], dim=2)
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
     s = (q @ k.transpose(-1, -2)) * scale
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
     seen = mask.any(-1, keepdim=True)
     s = s.masked_fill(~mask, float("-inf")).masked_fill(~seen, 0.0)
     assert rows.numel() == q.shape[2]
-    return (torch.softmax(s, -1) * seen) @ v
+    if sinks is not None:
+        s = torch.cat([s, sinks.view(1, -1, 1, 1).expand(*s.shape[:-1], 1)], dim=-1)
+    return (torch.softmax(s, -1)[..., : v.shape[2]] * seen) @ v
 
 
 def _inputs(heads: int, kv: int, dk: int, dv: int, rows: int, seed: int = 0):  # type: ignore[no-untyped-def]
@@ -71,19 +78,21 @@ def _inputs(heads: int, kv: int, dk: int, dv: int, rows: int, seed: int = 0):  #
     return q, k, v, dout
 
 
-def _errors(vis: Visibility, runs, kernel, heads=4, kv=2, dk=8, dv=8):  # type: ignore[no-untyped-def]
+def _errors(vis: Visibility, runs, kernel, heads=4, kv=2, dk=8, dv=8, sinks=False, softcap=None):  # type: ignore[no-untyped-def]
+    """Relative max errors of the output and the gradients (q, k, v, then the sinks' if any)."""
     rows = sum(n for _, _, n in runs)
     q, k, v, dout = _inputs(heads, kv, dk, dv, rows)
+    inputs = (q, k, v, *((torch.linspace(-1.0, 2.0, heads, dtype=torch.float64),) if sinks else ()))
     scale = dk**-0.5
-    ref = [t.clone().requires_grad_() for t in (q, k, v)]
-    expected = _reference(*ref, vis, runs, scale)
+    ref = [t.clone().requires_grad_() for t in inputs]
+    expected = _reference(*ref[:3], vis, runs, scale, *ref[3:], softcap=softcap)
     expected.backward(dout)
-    mine = [t.float().requires_grad_() for t in (q, k, v)]
+    mine = [t.float().requires_grad_() for t in inputs]
     calls = plan(runs, S, vis, tile_for(runs[0][2]), kernel.max_keys)
-    out = BlockAttention.apply(*mine, scale, calls, vis, kernel, lambda a, b, phase: (a, b))
+    out = BlockAttention.apply(*mine[:3], scale, calls, vis, kernel, lambda a, b, phase: (a, b), *mine[3:])
     out.backward(dout.float())
     pairs = [(out, expected), *((m.grad, r.grad) for m, r in zip(mine, ref, strict=True))]
-    return [float((a.detach().double() - b).abs().max() / b.abs().max()) for a, b in pairs], calls
+    return [float((a.detach().double() - b.detach()).abs().max() / b.detach().abs().max()) for a, b in pairs], calls
 
 
 @pytest.fixture(autouse=True)
@@ -116,6 +125,38 @@ def test_math_kernel_takes_different_key_and_value_widths() -> None:
     errors, _ = _errors(VISIBILITY["packed"], _runs("zigzag", 0), MATH, dk=12, dv=8)
     assert max(errors) <= 1e-5, errors
     assert blocks.kernel_for(torch.zeros(1, 1, 1, 12), torch.zeros(1, 1, 1, 12), torch.zeros(1, 1, 1, 8)) is MATH
+
+
+@pytest.mark.parametrize("kernel", [FLASH_CPU, MATH], ids=["flash_cpu", "math"])
+@pytest.mark.parametrize("name", ["causal", "causal_window", "padded", "everything"])
+@pytest.mark.parametrize("mode", ["zigzag1", "whole"])
+def test_sinks_join_the_merge_with_their_gradient(kernel, name: str, mode: str) -> None:  # type: ignore[no-untyped-def]
+    """gpt-oss's attention sinks: one more key per head with a zero value; the sinks' gradient too."""
+    runs = _runs("whole" if mode == "whole" else "zigzag", 1)
+    errors, _ = _errors(VISIBILITY[name], runs, kernel, sinks=True)
+    assert len(errors) == 5 and max(errors) <= 1e-5, (name, mode, errors)
+
+
+@pytest.mark.parametrize("name", ["causal", "packed", "everything", "bidirectional"])
+def test_softcapped_scores_in_the_math_kernel(name: str) -> None:
+    """Gemma 2's ``cap * tanh(s / cap)`` before the mask; the fused kernel cannot take it."""
+    kernel = blocks.kernel_for(torch.zeros(1), torch.zeros(1, 1, 1, 8), torch.zeros(1, 1, 1, 8), softcap=1.5)
+    assert isinstance(kernel, blocks.MathKernel) and kernel.softcap == 1.5
+    errors, _ = _errors(VISIBILITY[name], _runs("zigzag", 0), kernel, softcap=1.5, sinks=name == "everything")
+    assert max(errors) <= 1e-5, (name, errors)
+
+
+def test_negative_control_softcap_or_sinks_dropped_are_wrong() -> None:
+    runs = _runs("zigzag", 0)
+    errors, _ = _errors(VISIBILITY["causal"], runs, FLASH_CPU, softcap=1.5)  # the fused kernel ignores the cap
+    assert max(errors) > 1e-2, errors
+    rows = sum(n for _, _, n in runs)
+    q, k, v, _ = _inputs(4, 2, 8, 8, rows)
+    sinks = torch.linspace(-1.0, 2.0, 4, dtype=torch.float64)
+    calls = plan(runs, S, VISIBILITY["causal"], tile_for(runs[0][2]), FLASH_CPU.max_keys)
+    expected = _reference(q, k, v, VISIBILITY["causal"], runs, 8**-0.5, sinks)
+    without = BlockAttention.apply(q, k, v, 8**-0.5, calls, VISIBILITY["causal"], FLASH_CPU, lambda a, b, p: (a, b))
+    assert float((without - expected).abs().max() / expected.abs().max()) > 1e-2
 
 
 def test_negative_control_a_masked_tile_taken_as_full_is_wrong(monkeypatch: pytest.MonkeyPatch) -> None:

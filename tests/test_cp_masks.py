@@ -72,8 +72,15 @@ def test_packed_documents_and_padding_match_transformers(rank: int) -> None:
     pad[0, :3], pad[1, 29:] = False, False
     zig = zigzag(SEQ, 2, rank, torch.device("cpu"))
     state = CallState(group=Group.solo("cp"), zig=zig, mode="cp_allgather_kv", positions=torch.arange(SEQ)[None],
-                      docs=docs, key_padding=pad)
+                      docs=docs, key_padding=pad, model_separates=True)
     fn = mu.and_masks(mu.causal_mask_function, mu.packed_sequence_mask_function(docs), mu.padding_mask_function(pad))
+    want = torch.tensor([[[bool(fn(torch.tensor(b), torch.tensor(0), q, k)) for k in range(SEQ)] for q in zig.local]
+                         for b in range(2)])
+    assert torch.equal(_dense(state, True, None), want)
+    # a model whose mask code never saw the position ids (gpt-oss) lets the documents see each other
+    state = CallState(group=Group.solo("cp"), zig=zig, mode="cp_allgather_kv", positions=torch.arange(SEQ)[None],
+                      docs=docs, key_padding=pad)
+    fn = mu.and_masks(mu.causal_mask_function, mu.padding_mask_function(pad))
     want = torch.tensor([[[bool(fn(torch.tensor(b), torch.tensor(0), q, k)) for k in range(SEQ)] for q in zig.local]
                          for b in range(2)])
     assert torch.equal(_dense(state, True, None), want)

@@ -26,7 +26,8 @@ def root(tmp_path_factory) -> str:
 
 @pytest.mark.parametrize(("name", "kind"), [("llama_gqa", "plain"), ("qwen3", "plain"), ("qwen3_sliding", "packed"),
                                             ("llama_gqa", "padded"), ("llama_dynamic", "plain"),
-                                            ("deepseek_v2", "plain"), ("minicpm3", "plain")])  # MLA (MiniCPM3: V wider than K)
+                                            ("deepseek_v2", "plain"), ("minicpm3", "plain"),  # MLA (MiniCPM3: V wider than K)
+                                            ("gpt_oss", "packed"), ("gemma2", "padded")])  # sinks of this rank's heads; softcap
 def test_ulysses_cp2(pool2: DistPool, root: str, name: str, kind: str) -> None:
     cpwork.check(_ready(pool2, 2), models.build(name, root), cpwork.batch(kind))
 
@@ -39,7 +40,7 @@ def test_ulysses_collectives_per_layer(pool2: DistPool, root: str) -> None:
                        "backward": {"all_to_all": 3 * layers, "all_reduce": 1}}] * 2
 
 
-@pytest.mark.parametrize(("name", "kind"), [("llama_gqa", "plain"), ("qwen3_sliding", "packed")])
+@pytest.mark.parametrize(("name", "kind"), [("llama_gqa", "plain"), ("qwen3_sliding", "packed"), ("gpt_oss", "padded")])
 def test_ulysses_cp4_replicates_kv_heads(pool4: DistPool, root: str, name: str, kind: str) -> None:
     cpwork.check(_ready(pool4, 4), models.build(name, root), cpwork.batch(kind))
 

@@ -8,6 +8,8 @@ visibility rule — causal, sliding window, packed documents, key padding, all o
 positions — as skipped, unmasked, the kernel's own causal diagonal, or masked with a mask of one
 tile; the calls are merged by log-sum-exp. One algorithm on every device (the CPU fused kernel,
 plain tensor ops elsewhere); no tensor of ``S/C x S`` elements exists in forward or backward.
+Attention sinks (``s_aux``) join the merge as one more key; logit softcapping (``softcap``) runs
+in the plain-ops kernel, which applies it to each tile's scores.
 
 Memory: the gathered K/V are not kept for backward; only the local Q, K, V, output and
 log-sum-exp are saved, and backward gathers K/V again, runs each call's kernel backward with the
@@ -30,6 +32,9 @@ then returns ``None`` and builds no (wrong, local) mask, and the modeling code's
 
 from __future__ import annotations
 
+import functools
+import inspect
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -46,10 +51,45 @@ KEY = "hp_lazy_cp"
 
 
 def register() -> None:
-    """Make :data:`KEY` a known attention implementation (idempotent)."""
+    """Make :data:`KEY` a known attention implementation and watch transformers' mask code (idempotent)."""
     from transformers.modeling_utils import AttentionInterface
 
     AttentionInterface.register(KEY, cp_attention)
+    observe_masks()
+
+
+def observe_masks() -> None:
+    """Wrap ``transformers.masking_utils._preprocess_mask_arguments``, which every mask builder
+    (causal, sliding, chunked, bidirectional) calls first, to note in the current context-parallel
+    forward whether the model gave it position ids without a 2-D mask and cache: the condition
+    under which transformers separates packed documents. The wrapped function runs unchanged."""
+    from transformers import masking_utils
+
+    preprocess: Callable[..., Any] | None = getattr(masking_utils, "_preprocess_mask_arguments", None)
+    if getattr(preprocess, "hp_observed", False):
+        return
+    signature = inspect.signature(preprocess) if callable(preprocess) else None
+    if signature is None or not {"attention_mask", "cache", "position_ids"} <= set(signature.parameters):
+        raise ShardingError(
+            f"context parallel reads whether a model separates packed documents from the arguments of transformers' "
+            f"masking_utils._preprocess_mask_arguments (attention_mask, cache, position_ids), which this transformers "
+            f"{'does not have' if signature is None else f'defines as {signature}'}; use a transformers release "
+            "hp_lazy supports (see the README)"
+        )
+    assert preprocess is not None
+
+    @functools.wraps(preprocess)
+    def observed(*args: Any, **kwargs: Any) -> Any:
+        state = current()
+        if state is not None:
+            given = signature.bind(*args, **kwargs).arguments
+            if given.get("position_ids") is not None and given.get("attention_mask") is None \
+                    and given.get("cache") is None:
+                state.model_separates = True
+        return preprocess(*args, **kwargs)
+
+    observed.hp_observed = True  # type: ignore[attr-defined]
+    masking_utils._preprocess_mask_arguments = observed
 
 
 def _gather(k: torch.Tensor, v: torch.Tensor, g: Group, phase: wire.Phase) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,24 +155,28 @@ def cp_attention(
             f"{where}: attention dropout {dropout} under context parallel would draw different masks per rank than "
             "one process; set the config's attention_dropout to 0 (or call model.eval())"
         )
-    if kwargs.get("s_aux") is not None:
-        raise ShardingError(f"{where}: attention sinks (s_aux) are not supported under context parallel yet")
+    sinks = kwargs.get("s_aux")
+    if sinks is not None and tuple(sinks.shape) != (query.shape[1],):
+        raise ShardingError(
+            f"{where}: attention sinks (s_aux) of shape {tuple(sinks.shape)} under context parallel; expected one per "
+            f"query head of this rank, ({query.shape[1]},)"
+        )
     causal = bool(getattr(module, "is_causal", True)) if is_causal is None else bool(is_causal)
     vis, scale = state.visibility(causal, sliding_window), blocks.default_scale(query, scaling)
-    kernel = blocks.kernel_for(query, key, value)
+    kernel = blocks.kernel_for(query, key, value, kwargs.get("softcap"))
     if state.mode == "cp_ulysses":
-        return _ulysses(where, query, key, value, state, vis, kernel, scale), None
+        return _ulysses(where, query, key, value, state, vis, kernel, scale, sinks), None
     # MLA: K/V expanded from the gathered latent (latent.py), the whole sequence in all-gather order
     whole = key.shape[2] == state.zig.seq != query.shape[2]
     calls = state.plan(vis, state.zig.runs(), kernel.max_keys)
     exchange = _exchange(state.group, state.zig, whole)
-    out = blocks.BlockAttention.apply(query, key, value, scale, calls, vis, kernel, exchange)
+    out = blocks.BlockAttention.apply(query, key, value, scale, calls, vis, kernel, exchange, sinks)
     return out.transpose(1, 2).contiguous(), None
 
 
 def _ulysses(
     where: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, state: CallState,
-    vis: blocks.Visibility, kernel: blocks.Kernel, scale: float,
+    vis: blocks.Visibility, kernel: blocks.Kernel, scale: float, sinks: torch.Tensor | None,
 ) -> torch.Tensor:
     g, zig = state.group, state.zig
     heads, kv = query.shape[1], key.shape[1]
@@ -141,6 +185,8 @@ def _ulysses(
             f"{where}: cp_mode='ulysses' splits this rank's {heads} attention heads over cp={g.size}, which does not "
             f"divide them; use cp_mode='allgather', or a cp (x tp) that divides the heads"
         )
+    if sinks is not None:  # this rank's heads after the all-to-all (the gradient flows into that slice)
+        sinks = sinks.narrow(0, g.rank * (heads // g.size), heads // g.size)
     if kv % g.size:  # fewer K/V heads than ranks: each rank gets the copies its query heads use
         key, value = key.repeat_interleave(heads // kv, dim=1), value.repeat_interleave(heads // kv, dim=1)
     q = all_to_all(query, g, 2, 1).index_select(2, zig.inverse)
@@ -151,6 +197,6 @@ def _ulysses(
         k = all_to_all(key, g, 2, 1).index_select(2, zig.inverse)
         v = all_to_all(value, g, 2, 1).index_select(2, zig.inverse)
     calls = state.plan(vis, [(0, 0, zig.seq)], kernel.max_keys)
-    out = blocks.BlockAttention.apply(q, k, v, scale, calls, vis, kernel, _same)
+    out = blocks.BlockAttention.apply(q, k, v, scale, calls, vis, kernel, _same, sinks)
     out = all_to_all(out.index_select(2, zig.gathered), g, 1, 2)  # [B, H, S/C, Dv], this rank's rows
     return out.transpose(1, 2).contiguous()

@@ -19,8 +19,15 @@ bounded masked and causal tiles expand their K/V tile.
 
 Kernels (:class:`Kernel`): the CPU fused flash kernel (its log-sum-exp output; masks as an
 additive float bias), and :class:`MathKernel`, the same contract in plain tensor ops for every
-other device and for what the fused kernel does not take (K and V of different head dims: MLA) —
-the CPU tests run both.
+other device and for what the fused kernel does not take (K and V of different head dims: MLA;
+logit softcapping, ``cap * tanh(s / cap)`` on the scores before the softmax, Gemma 2) — the CPU
+tests run both.
+
+Attention sinks (gpt-oss and its kin: one learned logit per head that every query row sees, with
+a zero value) are one more key of the merge: after the calls, ``lse' = logaddexp(lse, sink)`` and
+the output is scaled by ``exp(lse - lse')``. Backward then runs unchanged with that output and
+``lse'`` (the sink is a key like the others, its value zero), and the sink's own gradient is
+``-sum exp(sink - lse') * (dout . out)`` over the rows this rank holds.
 """
 
 from __future__ import annotations
@@ -251,14 +258,27 @@ class FlashCPU:
 
 
 class MathKernel:
-    """The kernel contract in plain tensor ops (float32 accumulation), for any device."""
+    """The kernel contract in plain tensor ops (float32 accumulation), for any device; with
+    ``softcap``, the scores are ``softcap * tanh(s / softcap)`` before the mask and the softmax
+    (transformers' eager attention order)."""
 
     max_keys: int | None = MATH_KEYS
 
+    def __init__(self, softcap: float | None = None) -> None:
+        self.softcap = softcap
+
+    def _scores(self, q: Tensor, k: Tensor, scale: float) -> tuple[Tensor, Tensor | None]:
+        """The scores and, under softcapping, ``tanh(s / softcap)`` (for the backward)."""
+        s = torch.matmul(q.to(acc(q.dtype)), k.to(acc(q.dtype)).transpose(-1, -2)) * scale
+        if self.softcap is None:
+            return s, None
+        t = torch.tanh(s / self.softcap)
+        return t * self.softcap, t
+
     def _probs(
         self, q: Tensor, k: Tensor, mask: Tensor | None, causal: bool, scale: float, lse: Tensor | None = None
-    ) -> tuple[Tensor, Tensor]:
-        s = torch.matmul(q.to(acc(q.dtype)), k.to(acc(q.dtype)).transpose(-1, -2)) * scale
+    ) -> tuple[Tensor, Tensor, Tensor | None]:
+        s, t = self._scores(q, k, scale)
         if causal:
             n, m = s.shape[-2:]
             s = s.masked_fill(torch.ones(n, m, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
@@ -267,22 +287,24 @@ class MathKernel:
         if lse is None:
             lse = torch.logsumexp(s, dim=-1)
         p = torch.exp(s - lse.masked_fill(torch.isinf(lse), 0.0).unsqueeze(-1))
-        return p, lse
+        return p, lse, t
 
     def forward(
         self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float
     ) -> tuple[Tensor, Tensor]:
-        p, lse = self._probs(q, k, mask, causal, scale)
+        p, lse, _ = self._probs(q, k, mask, causal, scale)
         return torch.matmul(p, v.to(acc(q.dtype))).to(q.dtype), lse
 
     def backward(
         self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, mask: Tensor | None,
         causal: bool, scale: float,
     ) -> tuple[Tensor, Tensor, Tensor]:
-        p, _ = self._probs(q, k, mask, causal, scale, lse.to(acc(q.dtype)))
+        p, _, t = self._probs(q, k, mask, causal, scale, lse.to(acc(q.dtype)))
         do = dout.to(acc(q.dtype))
         dp = torch.matmul(do, v.to(acc(q.dtype)).transpose(-1, -2))
         ds = p * (dp - (do * out.to(acc(q.dtype))).sum(-1, keepdim=True))
+        if t is not None:  # through cap * tanh(s / cap)
+            ds = ds * (1 - t * t)
         dq = torch.matmul(ds, k.to(acc(q.dtype))) * scale
         dk = torch.matmul(ds.transpose(-1, -2), q.to(acc(q.dtype))) * scale
         dv = torch.matmul(p.transpose(-1, -2), do)
@@ -292,8 +314,11 @@ class MathKernel:
 FLASH_CPU, MATH = FlashCPU(), MathKernel()
 
 
-def kernel_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Kernel:
-    """The fused kernel where the device has one this contract can use, else :data:`MATH`."""
+def kernel_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softcap: float | None = None) -> Kernel:
+    """The fused kernel where the device has one this contract can use, else :data:`MATH` (or a
+    softcapping :class:`MathKernel`)."""
+    if softcap:
+        return MathKernel(float(softcap))
     if q.device.type == "cpu" and k.shape[-1] == v.shape[-1]:
         return FLASH_CPU
     return MATH
@@ -341,10 +366,11 @@ def _operands(
 
 def attend(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: Plan, vis: Visibility, kernel: Kernel,
-    scale: float,
+    scale: float, sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``q [B, H, n, D]`` over ``keys``/``values`` ``[B, kv, S, *]`` in global order: output
-    ``[B, H, n, Dv]`` (``q``'s dtype) and log-sum-exp ``[B, H, n]`` (float32)."""
+    """``q [B, H, n, D]`` over ``keys``/``values`` ``[B, kv, S, *]`` in global order (and the
+    ``[H]`` ``sinks``, if any): output ``[B, H, n, Dv]`` (``q``'s dtype) and log-sum-exp
+    ``[B, H, n]`` (float32)."""
     b, h, n, _ = q.shape
     out = torch.zeros(b, h, n, values.shape[-1], dtype=acc(q.dtype), device=q.device)
     lse = torch.full((b, h, n), float("-inf"), dtype=acc(q.dtype), device=q.device)
@@ -360,7 +386,18 @@ def attend(
         out[:, :, r0:r1] = (old * (old_lse - safe).exp().unsqueeze(-1)
                             + o.to(out.dtype) * (part - safe).exp().unsqueeze(-1))
         lse[:, :, r0:r1] = merged
+    if sinks is not None:
+        merged = torch.logaddexp(lse, sinks.detach().to(lse.dtype).view(1, h, 1))
+        out, lse = out * (lse - merged).exp().unsqueeze(-1), merged
     return out.to(q.dtype), lse
+
+
+def sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """The gradient of :func:`attend` for its ``[H]`` sinks, over the rows given: the sink is a
+    key with score ``sink`` and a zero value, so its score gradient is ``p_sink * (0 - dout . out)``."""
+    p = (sinks.detach().to(lse.dtype).view(1, -1, 1) - lse).exp()
+    dot = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)
+    return -(p * dot).sum((0, 2)).to(sinks.dtype)
 
 
 def attend_backward(
@@ -406,21 +443,23 @@ class BlockAttention(torch.autograd.Function):
     forward and again in backward, and takes the key gradients back (a reduce-scatter)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, scale, plan, vis, kernel, exchange):
+    def forward(ctx, q, k, v, scale, plan, vis, kernel, exchange, sinks=None):
         keys, values = exchange(k, v, "forward")
-        out, lse = attend(q, keys, values, plan, vis, kernel, scale)
-        ctx.save_for_backward(q, k, v, out, lse)
+        out, lse = attend(q, keys, values, plan, vis, kernel, scale, sinks)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.scale, ctx.plan, ctx.vis, ctx.kernel, ctx.exchange = scale, plan, vis, kernel, exchange
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         keys, values = ctx.exchange(k, v, "backward")
-        dq, dkeys, dvalues = attend_backward(dout.contiguous(), q, keys, values, out, lse, ctx.plan, ctx.vis,
-                                             ctx.kernel, ctx.scale)
+        dout = dout.contiguous()
+        dq, dkeys, dvalues = attend_backward(dout, q, keys, values, out, lse, ctx.plan, ctx.vis, ctx.kernel,
+                                             ctx.scale)
         dk, dv = ctx.exchange(dkeys, dvalues, "grad")
-        return dq, dk, dv, None, None, None, None, None
+        dsinks = None if sinks is None or not ctx.needs_input_grad[8] else sink_grad(dout, out, lse, sinks)
+        return dq, dk, dv, None, None, None, None, None, dsinks
 
 
 def default_scale(q: torch.Tensor, scale: float | None) -> float:

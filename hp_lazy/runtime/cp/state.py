@@ -33,14 +33,20 @@ class CallState:
     positions: torch.Tensor
     """``[B, S]`` global position ids (what RoPE is computed from)."""
     docs: torch.Tensor | None
-    """``[B, S]`` packed-sequence ids (transformers' detection: positions that do not step by 1), or None."""
+    """``[B, S]`` packed-sequence ids (transformers' detection: positions that do not step by 1), or None;
+    they separate documents only where the model's own mask code would (:attr:`model_separates`)."""
     key_padding: torch.Tensor | None
     """``[B, S]`` bool, True for tokens that may be attended to (a 2-D attention mask), or None."""
     plans: dict[tuple, tuple[Visibility, Plan]] = field(default_factory=dict)
+    model_separates: bool = False
+    """Whether this forward's model handed its position ids to transformers' mask code (which then
+    separates packed documents): set by :func:`hp_lazy.runtime.cp.attention.observe_masks` before
+    the first attention call. Families that build their masks without the position ids (gpt-oss,
+    AFMoE, ...) let packed documents see each other in one process, and so here."""
 
     def visibility(self, causal: bool, window: int | None) -> Visibility:
         """Which keys a query may attend to, for an attention layer of this (causal, window) kind."""
-        return Visibility(causal, window, self.docs, self.key_padding)
+        return Visibility(causal, window, self.docs if self.model_separates else None, self.key_padding)
 
     def plan(self, vis: Visibility, runs: list[tuple[int, int, int]], max_keys: int | None) -> Plan:
         """The blockwise calls for query ``runs`` (``(local start, global start, length)``) under ``vis``."""

@@ -4,7 +4,8 @@ Bound per model (the walker calls it like every style, :mod:`hp_lazy.runtime.sty
 
 - ``validate``: each boundary whose contract carries the inner op ``cp_allgather_kv`` is an
   attention module that calls transformers' attention interface; what that attention cannot do
-  split over the sequence is refused here (attention sinks, logit softcapping, dropout);
+  split over the sequence is refused here (K/V compressed or selected over the whole sequence,
+  dropout); attention sinks and logit softcapping run in the blockwise attention;
 - ``finish``: the model's layer types must all be attention (full or sliding; linear-attention or
   recurrent layers mix tokens outside attention), every attention module must be one the plan
   names, the attention implementation becomes :data:`~hp_lazy.runtime.cp.attention.KEY`, RoPE
@@ -45,8 +46,8 @@ class ContextParallelStyle:
         family = type(ctx.root).__qualname__
         config = getattr(module, "config", None)
         refusals = [
-            (getattr(module, "sinks", None) is not None, "has attention sinks"),
-            (getattr(config, "attn_logit_softcapping", None) not in (None, 0), "softcaps its attention logits"),
+            (getattr(module, "compressor", None) is not None, "attends to K/V compressed over the whole sequence "
+             "(a compressor, DeepSeek-V4's CSA/HCA)"),
             (hasattr(module, "indexer"), "selects its keys with a DSA indexer (top-k over the whole sequence's keys, "
              "or the top-k of an earlier layer)"),
             (float(getattr(config, "attention_dropout", 0.0) or 0.0) > 0, "has attention dropout > 0 (set "
