@@ -33,3 +33,5 @@ def apply(draft: Draft, rules: list[Rule]) -> None:
         names = draft.facts.resolve(base, key)
         if prefix + key not in draft.entries and len(names) == 1 and draft.calls_attention(next(iter(names))):
             draft.add(prefix + key, Entry({"inner": dict(inner)}, f"{base} (cp attention)", "attention"))
+            # the class the text stack's key reaches: a vision tower's layers.*.self_attn is another class
+            draft.classes[prefix + key] = next(iter(names))
