@@ -144,9 +144,9 @@ def _keep_gathered() -> None:
     from hp_lazy.runtime.cp import blocks
     from hp_lazy.runtime.cp.state import current
 
-    def apply(q, k, v, scale, plan, vis, kernel, exchange):  # BlockAttention.apply's arguments
+    def apply(q, k, v, scale, plan, vis, kernel, exchange, sinks=None):  # BlockAttention.apply's arguments
         state = current()
-        assert state is not None
+        assert state is not None and sinks is None, "the K/V-saved variant runs Llama (no sinks)"
         zig = state.zig
         kg, vg = gather_kv(k, v, state.group, 2)
         kg, vg = kg.index_select(2, zig.inverse), vg.index_select(2, zig.inverse)

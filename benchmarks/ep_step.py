@@ -7,6 +7,10 @@ weights, seed 0, nothing downloaded). Fresh processes run, alternately, ``--repe
                 global batch
   ep            ``hp_lazy.activate("auto", ep=W)`` on W ranks, 1 thread each: every rank feeds
                 its ``batch / W`` rows and holds ``1 / W`` of the experts (all-to-all dispatch)
+  ep x tp       (W >= 4) ``hp_lazy.activate("auto", ep=W/2, tp=2)``: W/2 data-parallel groups of
+                2 tp ranks, each group its ``batch / (W/2)`` rows; each tp rank dispatches half of
+                its group's rows and the outputs are gathered over tp (5.25's plans leave the
+                experts whole on tp; ep splits them)
   experts-TP    ``hp_lazy.activate("auto", tp=W)``: every rank runs the whole batch through its
                 ``1 / W`` of the experts, whole (region ``tp_experts``; the exit all-reduce sums the
                 ranks' parts; the same bytes as cutting every expert's width)
@@ -54,8 +58,19 @@ from typing import Any
 
 from _spawn import collect
 
-VARIANTS = ("one process", "ep", "experts-TP", "transformers ep_plan")
+VARIANTS = ("one process", "ep", "ep x tp", "experts-TP", "transformers ep_plan")
 SPLIT = ("ep", "transformers ep_plan")  # variants where every rank feeds its batch / W rows
+
+
+def variants(world: int, chosen: str = "") -> tuple[str, ...]:
+    """The variants to run (``chosen``, a comma list, or all; "one process" always, the baseline);
+    ``ep x tp`` (ep = W/2, tp = 2) needs W >= 4."""
+    names = [v.strip() for v in chosen.split(",") if v.strip()]
+    unknown = sorted(set(names) - set(VARIANTS))
+    if unknown:
+        raise SystemExit(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
+    return tuple(v for v in VARIANTS if (not names or v in names or v == "one process")
+                 and (v != "ep x tp" or (world >= 4 and world % 2 == 0)))
 
 
 def _args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -69,6 +84,7 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--variants", default="", help="comma list of variants to run (default: all at this world)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, one repeat of one step (overrides the sizes)")
     args = p.parse_args(argv)
     if args.smoke:
@@ -142,6 +158,9 @@ def _worker(rank: int, world: int, variant: str, path: str, args: argparse.Names
     if variant in SPLIT:
         per = args.batch // world
         ids = ids[rank * per : (rank + 1) * per]
+    if variant == "ep x tp":  # dp = W/2 groups of 2 tp ranks (tp innermost): each group its batch / (W/2) rows
+        per = args.batch // (world // 2)
+        ids = ids[rank // 2 * per : (rank // 2 + 1) * per]
     if variant == "transformers ep_plan":
         import torch.distributed as dist
 
@@ -151,7 +170,8 @@ def _worker(rank: int, world: int, variant: str, path: str, args: argparse.Names
         return
     import hp_lazy
 
-    hp_lazy.activate("auto", **({"ep": world} if variant == "ep" else {"tp": world}))
+    axes = {"ep": {"ep": world}, "ep x tp": {"ep": world // 2, "tp": 2}}.get(variant, {"tp": world})
+    hp_lazy.activate("auto", **axes)
     import torch.distributed as dist
     import transformers
 
@@ -205,13 +225,13 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as root:
         path = _build(args, root)
-        runs: dict[str, list[tuple[float, dict, int, float]]] = {v: [] for v in VARIANTS}
+        runs: dict[str, list[tuple[float, dict, int, float]]] = {v: [] for v in variants(args.world, args.variants)}
         for _ in range(args.repeats):
-            for variant in VARIANTS:
+            for variant in runs:
                 runs[variant].append(_launch(args, variant, path))
         base = statistics.median(r[0] for r in runs["one process"])
         ref_loss = runs["one process"][0][3]
-        for variant in VARIANTS:
+        for variant in runs:
             step = statistics.median(r[0] for r in runs[variant])
             counts, experts = runs[variant][0][1], runs[variant][0][2]
             loss_err = max(abs(r[3] - ref_loss) for r in runs[variant]) / abs(ref_loss)

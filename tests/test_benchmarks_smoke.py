@@ -89,3 +89,10 @@ def test_release_check_smoke(tmp_path: Path) -> None:
     out = _run("release_check.py", tmp_path)
     assert "| torch | " in out and "| transformers | " in out
     assert re.search(r"\| tests/test_plan_auto.py \| 1 \| 0 \| 0 \| \d+ \|", out), out
+
+
+def test_ep_step_ep_x_tp_smoke(tmp_path: Path) -> None:
+    """ep=2 x tp=2 on 4 ranks: its loss is one process's and it moves all-to-all rows."""
+    rows = {r[0]: r for r in _rows(_run("ep_step.py", tmp_path, "--world", "4", "--variants", "ep x tp"))}
+    assert set(rows) == {"one process", "ep x tp"}, rows
+    assert float(rows["ep x tp"][3]) <= 1e-4 and float(rows["ep x tp"][5].split(" / ")[0]) > 0, rows
