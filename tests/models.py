@@ -101,8 +101,26 @@ MORE_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
                               "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1,
                               "mamba_d_state": 8, "mamba_d_conv": 4, "mamba_expand": 2, "mamba_dt_rank": 4,
                               "use_mamba_kernels": False}),
+    # a Gated DeltaNet hybrid: layer 0 linear attention (conv kernel 4, 2 key / 4 value heads), layer 1
+    # gated full attention; a routed MoE with a shared expert
+    "qwen3_next": ("Qwen3NextConfig", {"head_dim": 8, "num_key_value_heads": 2, "linear_num_key_heads": 2,
+                                       "linear_num_value_heads": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
+                                       "linear_conv_kernel_dim": 4, "num_experts": 4, "num_experts_per_tok": 2,
+                                       "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
+                                       "layer_types": ["linear_attention", "full_attention"]}),
+    # vision-language: a vision tower with its own config (2 blocks) beside the text stack; under
+    # cp the text stack splits and the tower runs whole (text-only batches; image inputs refused)
+    "qwen2_vl": ("Qwen2VLConfig", {
+        "text_config": {"head_dim": 8, "num_key_value_heads": 2,
+                        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}},
+        "vision_config": {"depth": 2, "embed_dim": 32, "num_heads": 4, "hidden_size": 32, "patch_size": 2,
+                          "temporal_patch_size": 1, "spatial_merge_size": 1},
+        "image_token_id": 5, "video_token_id": 6, "vision_start_token_id": 7, "tie_word_embeddings": False}),
 }
 """Models only some test modules use (the parity modules sweep :data:`CONFIGS`)."""
+
+AUTO = {"qwen2_vl": "AutoModelForImageTextToText"}
+"""Families no causal-LM Auto class maps: the Auto class they are built with."""
 
 BASE_ONLY = ("muse_spark", "mistral_large4_text")
 """Families with no causal-LM head: built as ``AutoModel`` (the tests take a loss of the hidden states)."""
@@ -128,9 +146,12 @@ def build(name: str, root: str, seed: int = 0) -> str:
     if os.path.exists(os.path.join(path, "config.json")):
         return path
     config_cls, extra = CONFIGS[name] if name in CONFIGS else MORE_CONFIGS[name]
-    config = getattr(transformers, config_cls)(**{**BASE, **extra})
+    if "text_config" in extra:  # a composite config: the text stack is the tiny one
+        config = getattr(transformers, config_cls)(**{**extra, "text_config": {**BASE, **extra["text_config"]}})
+    else:
+        config = getattr(transformers, config_cls)(**{**BASE, **extra})
     torch.manual_seed(seed)
-    auto = transformers.AutoModel if name in BASE_ONLY else transformers.AutoModelForCausalLM
+    auto = getattr(transformers, AUTO.get(name, "AutoModel" if name in BASE_ONLY else "AutoModelForCausalLM"))
     model = auto.from_config(config)
     with torch.no_grad():  # visible biases and norm weights, so a dropped one shows
         for pname, param in model.named_parameters():

@@ -96,9 +96,20 @@ def train_with_broken_entry(rank: int, world: int, path: str, ids) -> dict[str, 
         rt.copy_to = original
 
 
-def compare(got: dict[str, Any], ref: dict[str, Any]) -> dict[str, float]:
+def compare(got: dict[str, Any], ref: dict[str, Any], floor: dict[str, float] | None = None) -> dict[str, float]:
     """Relative max errors: logits, loss, every gradient, the losses of the SGD steps and every
-    parameter after them. Raises AssertionError naming what differs."""
+    parameter after them. Raises AssertionError naming what differs. ``floor``: per entry, how far
+    one process is from itself under a mathematically equal computation (a kernel's chunking); an
+    entry may then reach twice that where it exceeds TOL."""
+    errors = relative_errors(got, ref)
+    floor = floor or {}
+    bad = {k: v for k, v in errors.items() if not v <= max(TOL, 2 * floor.get(k, 0.0))}
+    assert not bad, f"relative errors above {TOL} (or twice one process's own floor {floor}): {bad}"
+    return errors
+
+
+def relative_errors(got: dict[str, Any], ref: dict[str, Any]) -> dict[str, float]:
+    """The entries :func:`compare` checks, by name."""
     errors = {
         "logits": models.rel_err(got["logits"], ref["logits"]),
         "loss": models.rel_err(got["loss"], ref["loss"]),
@@ -111,6 +122,4 @@ def compare(got: dict[str, Any], ref: dict[str, Any]) -> dict[str, float]:
         errors[f"grad {name}"] = models.rel_err(got["grads"][name], grad)
     for name, value in ref["state"].items():
         errors[f"param {name}"] = models.rel_err(got["state"][name], value)
-    bad = {k: v for k, v in errors.items() if not v <= TOL}
-    assert not bad, f"relative errors above {TOL}: {bad}"
     return errors

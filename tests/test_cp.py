@@ -94,6 +94,23 @@ UNSPLITTABLE = [
 ]
 
 
+def test_vision_language_text_stack_splits_and_the_tower_runs_whole(ready) -> None:
+    """Qwen2-VL under cp=2: a text-only batch matches one process; the vision tower keeps its own
+    attention; an image input is refused by name (never a torch shape error or wrong numbers)."""
+    pool, root = ready
+    path = models.build("qwen2_vl", root)
+    cpwork.check(pool, path, cpwork.batch("padded"))
+    assert pool.run(cpwork.attention_implementations, path) == [{"model.language_model": "hp_lazy_cp",
+                                                                   "model.visual": "sdpa"}] * 2
+    data = {**cpwork.batch("plain"), "pixel_values": models.batch()[:, :12].float().reshape(8, 3),
+            "image_grid_thw": models.batch()[:1, :3] * 0 + 1}
+    got = pool.run(cpwork.error, path, data)
+    assert got == ["ShardingError: Qwen2VLForConditionalGeneration: argument 'pixel_values' (an input of model.visual) under "
+                   "context parallel (cp=2): the encoder's features land at their tokens' positions over the whole "
+                   "sequence, and each rank holds only its share of those positions; context parallel splits this "
+                   "model's text stack only; train batches with these inputs without cp (text-only batches split)"] * 2
+
+
 @pytest.mark.parametrize(("name", "family", "fqn", "why"), UNSPLITTABLE, ids=[u[0] for u in UNSPLITTABLE])
 def test_attention_cp_cannot_split_is_refused_by_layer(ready, name: str, family: str, fqn: str, why: str) -> None:
     """Never a torch shape error: the first attention layer named, with the reason."""
@@ -104,6 +121,16 @@ def test_attention_cp_cannot_split_is_refused_by_layer(ready, name: str, family:
     got = pool.run(cpwork.error, path, {"input_ids": models.batch()})
     assert got == [f"ShardingError: {fqn} ({family}): context parallel cannot split this attention over the "
                    f"sequence: it {why}; train this family without cp"] * 2
+
+
+def test_recurrent_layers_cp_cannot_split_are_refused_by_layer(ready) -> None:
+    """Jamba's Mamba layers (not a Gated DeltaNet): refused at load, naming the layer and what splits."""
+    pool, root = ready
+    got = pool.run(cpwork.error, models.build("jamba", root), {"input_ids": models.batch()})
+    assert got == ["ShardingError: JambaForCausalLM: layer 0 is a 'linear_attention' layer, which mixes tokens along "
+                   "the sequence outside attention; context parallel splits only ['full_attention', "
+                   "'sliding_attention'] layers and Gated DeltaNet layers (transformers' torch_chunk_gated_delta_rule); "
+                   "train without cp"] * 2
 
 
 @pytest.mark.parametrize(("data", "expected"), REFUSED, ids=[e.split(" under")[0][:30] for _, e in REFUSED])

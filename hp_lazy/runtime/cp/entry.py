@@ -17,8 +17,9 @@ Per call (:class:`ContextEntry`, run by the bound root's ``install_root`` wrappe
   both from the call's :class:`~hp_lazy.runtime.cp.state.CallState`.
 
 Refused, naming the option: a KV cache or ``use_cache=True`` (generation), ``output_attentions``,
-``logits_to_keep`` other than 0, a 4-D mask, and a tensor argument of the sequence's shape whose
-split hp_lazy does not know.
+``logits_to_keep`` other than 0, a 4-D mask, a tensor argument of the sequence's shape whose
+split hp_lazy does not know, and, for a model with towers (vision or audio encoders run whole),
+any tensor input beyond the text stack's (``pixel_values``, ``image_grid_thw``, ...).
 """
 
 from __future__ import annotations
@@ -55,13 +56,22 @@ def packed_documents(positions: torch.Tensor) -> torch.Tensor | None:
     return None if bool((docs[:, -1] == 0).all()) else docs
 
 
+def _holds_tensor(value: Any) -> bool:
+    if isinstance(value, (list, tuple)):
+        return any(_holds_tensor(v) for v in value)
+    return isinstance(value, torch.Tensor)
+
+
 class ContextEntry:
     """Split one call's batch over the cp group (see the module doc)."""
 
-    def __init__(self, owner: str, group: Group, mode: str = "cp_allgather_kv") -> None:
+    def __init__(self, owner: str, group: Group, mode: str = "cp_allgather_kv", towers: tuple[str, ...] = ()) -> None:
         self.owner = owner
         self.group = group
         self.mode = mode
+        self.towers = towers
+        """Submodules (a vision or audio encoder) whose attention context parallel leaves whole:
+        text-only batches split; a batch with their inputs is refused."""
         self._signatures: dict[Callable[..., Any], inspect.Signature] = {}
 
     def __call__(self, forward: Callable[..., Any], module: nn.Module, args: tuple, kwargs: dict) -> Any:
@@ -113,6 +123,14 @@ class ContextEntry:
         if values.get("logits_to_keep") not in (None, 0):
             raise self._refuse(f"logits_to_keep={values['logits_to_keep']!r}", "the last tokens live on other ranks",
                                "use logits_to_keep=0 and hp_lazy.gather_sequence(out.logits)")
+        if self.towers:
+            for name, value in values.items():
+                if name not in _KNOWN and _holds_tensor(value):
+                    raise self._refuse(
+                        f"argument {name!r} (an input of {', '.join(self.towers)})", "the encoder's features land at "
+                        "their tokens' positions over the whole sequence, and each rank holds only its share of "
+                        "those positions; context parallel splits this model's text stack only",
+                        "train batches with these inputs without cp (text-only batches split)")
         ids, embeds = values.get("input_ids"), values.get("inputs_embeds")
         tokens = ids if ids is not None else embeds
         if tokens is None or tokens.dim() < 2:

@@ -6,9 +6,12 @@ Bound per model (the walker calls it like every style, :mod:`hp_lazy.runtime.sty
   attention module that calls transformers' attention interface; what that attention cannot do
   split over the sequence is refused here (K/V compressed or selected over the whole sequence,
   dropout); attention sinks and logit softcapping run in the blockwise attention;
-- ``finish``: the model's layer types must all be attention (full or sliding; linear-attention or
-  recurrent layers mix tokens outside attention), every attention module must be one the plan
-  names, the attention implementation becomes :data:`~hp_lazy.runtime.cp.attention.KEY`, RoPE
+- ``finish``: the model's layer types must all be attention (full or sliding) or Gated DeltaNet
+  layers (:mod:`.recurrent`: state passed between ranks; other linear-attention, Mamba or
+  convolution layers mix tokens outside attention and are refused), every attention module of the text stack must
+  be one the plan names, the text stack's attention implementation becomes
+  :data:`~hp_lazy.runtime.cp.attention.KEY` (a tower with a config of its own — a vision or
+  audio encoder — keeps its own and runs whole; the entry refuses its inputs), RoPE
   modules compute on the global positions (:mod:`.rope`), MLA modules gather their compressed
   latent instead of K/V (:mod:`.latent`), and the bound root gets the
   :class:`~hp_lazy.runtime.cp.entry.ContextEntry` that splits each call's batch.
@@ -19,13 +22,16 @@ part, so the gradient owner sums every gradient over cp (:func:`hp_lazy.runtime.
 
 from __future__ import annotations
 
+import sys
+from typing import Any
+
 from torch import nn
 
 from hp_lazy.errors import ShardingError
 from hp_lazy.names import CP_ENTRY, IMPL
 from hp_lazy.plan.model import Contract
 from hp_lazy.runtime.binding import Binding
-from hp_lazy.runtime.cp import attention, latent, rope
+from hp_lazy.runtime.cp import attention, latent, recurrent, rope
 from hp_lazy.runtime.cp.entry import ContextEntry
 from hp_lazy.runtime.style import BindContext
 
@@ -81,19 +87,30 @@ class ContextParallelStyle:
     def finish(self, ctx: BindContext) -> None:
         root, family = ctx.root, type(ctx.root).__qualname__
         config = getattr(root, "config", None)
+        mixers = [m for m in root.modules() if recurrent.supports(m)]
+        split = {getattr(m, "layer_idx", None) for m in mixers}
         for i, kind in enumerate(getattr(config, "layer_types", None) or ()):
-            if kind not in ATTENTION_LAYERS:
+            if kind not in ATTENTION_LAYERS and i not in split:
                 raise ShardingError(
                     f"{family}: layer {i} is a {kind!r} layer, which mixes tokens along the sequence outside "
-                    f"attention; context parallel splits only {sorted(ATTENTION_LAYERS)} layers; train without cp"
+                    f"attention; context parallel splits only {sorted(ATTENTION_LAYERS)} layers and Gated DeltaNet "
+                    "layers (transformers' torch_chunk_gated_delta_rule); train without cp"
                 )
+        for modeling in {id(type(m)): sys.modules[type(m).__module__] for m in mixers}.values():
+            recurrent.install(modeling)
         unplanned = [
-            name for name, m in root.named_modules()
+            (name, m) for name, m in root.named_modules()
             if getattr(m, "is_causal", None) is not None and hasattr(m, "config") and _calls_attention(m)
             and id(m) not in self.attention
         ]
+        planned = {id(m): m for m in root.modules() if id(m) in self.attention}
+        configs: dict[int, Any] = {id(c): c for m in planned.values() if (c := getattr(m, "config", None)) is not None}
+        # a tower (vision, audio) has its own config: it runs whole on every rank with its own attention
+        towers = sorted({_tower(root, name, m.config) for name, m in unplanned if id(m.config) not in configs})
+        unplanned = [(name, m) for name, m in unplanned if id(m.config) in configs]
         if not self.attention or unplanned:
-            missing = f"{unplanned[:3]} do not" if unplanned else "no attention module carries it"
+            unplanned_names = [name for name, _ in unplanned]
+            missing = f"{unplanned_names[:3]} do not" if unplanned else "no attention module carries it"
             raise ShardingError(
                 f"{family}: context parallel needs every attention module to carry the plan's cp inner op, but "
                 f"{missing} (planned: {sorted(self.attention.values())[:3]}); add \"inner\": {{\"call\": "
@@ -102,7 +119,11 @@ class ContextParallelStyle:
         attention.register()
         if config is None:
             raise ShardingError(f"{family}: context parallel needs a transformers model (one with a config)")
-        config._attn_implementation = attention.KEY
+        if towers:  # the text stack's configs only: a tower keeps its own attention
+            for text_config in configs.values():
+                text_config._attn_implementation = attention.KEY
+        else:
+            config._attn_implementation = attention.KEY
         for name, module in root.named_modules():
             if rope.is_rotary(module):
                 rope.wrap_rotary(module, f"{name} ({family})")
@@ -112,7 +133,16 @@ class ContextParallelStyle:
             raise ShardingError(
                 f"{family}: its attention modules carry different cp inner ops {sorted(self.kinds)}; use one kind"
             )
-        root.__dict__[CP_ENTRY] = ContextEntry(family, ctx.groups["cp"], next(iter(self.kinds)))
+        root.__dict__[CP_ENTRY] = ContextEntry(family, ctx.groups["cp"], next(iter(self.kinds)), tuple(towers))
+
+
+def _tower(root: nn.Module, fqn: str, config: Any) -> str:
+    """The outermost module above ``fqn`` that holds ``config`` (a vision tower's root)."""
+    parts = fqn.split(".")
+    for cut in range(1, len(parts) + 1):
+        if getattr(root.get_submodule(".".join(parts[:cut])), "config", None) is config:
+            return ".".join(parts[:cut])
+    return fqn
 
 
 def _calls_attention(module: nn.Module) -> bool:

@@ -1,0 +1,179 @@
+"""Recurrent layers under context parallel: the gated delta rule (Gated DeltaNet) and its short
+causal convolution, split over the sequence with transformers' own torch kernels as the local
+computation, in the zigzag order the attention layers use (no reordering all-to-all).
+
+A rank holds two chunks of ``c`` tokens of the global sequence: chunk ``r`` and chunk
+``2C - 1 - r`` (:mod:`.zigzag`). Both kernels mix tokens only forward in time, so each chunk needs
+only what precedes it:
+
+- **Causal convolution** (kernel ``k``): each chunk is convolved with the ``k - 1`` tokens before
+  it prepended (its *halo*; zeros before the first token, as the kernel's own padding). The last
+  ``min(k - 1, c)`` tokens of every chunk are all-gathered (``2 x B x D x (k - 1)`` values per rank,
+  whatever ``S``), and the halo of chunk ``g`` is read from the chunks before it.
+- **Gated delta rule**: the state ``S`` (``[Dk, Dv]`` per head) evolves column by column,
+  linearly: a chunk maps the state it starts from to ``A S + F``, and its outputs to
+  ``out0 + q_eff S``. One kernel call per chunk gives all of it: the value columns are the real
+  values next to ``Dk`` columns of zeros, started from ``[0 | I]``; the first ``Dv`` columns of the
+  output and final state are ``out0`` and ``F``, the last ``Dk`` are ``q_eff`` and ``A``. The
+  ``(A, F)`` of every chunk are all-gathered (``2 x B x H x Dk x (Dk + Dv)`` per rank: bytes per
+  layer independent of ``S``), every rank composes them in sequence order up to its chunks (the
+  scan of per-chunk transitions, ``2C`` small matmuls) and adds ``q_eff S_in`` to its outputs.
+  Autograd runs through all of it (the all-gather's backward reduce-scatters the gradients of
+  ``A`` and ``F`` to the chunks they came from).
+
+Packed documents: transformers' torch kernels reset neither the state nor the convolution at a
+document boundary unless the caller passes ``cu_seqlens`` / ``seq_idx``; neither does this (and
+those arguments are refused under cp). Padding: the model zeroes padded tokens' hidden states with
+the 2-D mask from ``create_recurrent_attention_mask``, which under cp returns this rank's rows.
+
+Installed per modeling module (:func:`install`) by wrapping its module-level
+``causal_conv1d_forward`` and ``torch_chunk_gated_delta_rule`` (the names the layers call, after
+any hub kernel took their place) and ``create_recurrent_attention_mask``; outside a
+context-parallel forward each wrapper calls through unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from hp_lazy.errors import ShardingError
+from hp_lazy.names import IMPL
+from hp_lazy.runtime.comm import gather_to
+from hp_lazy.runtime.cp.state import CallState, current
+
+CONV = "causal_conv1d_forward"
+RULE = "torch_chunk_gated_delta_rule"
+MASK = "create_recurrent_attention_mask"
+WRAPPED = "hp_cp_wrapped"
+"""Set on a wrapper (its original under it), so a module is wrapped once."""
+
+
+def supports(module: torch.nn.Module) -> bool:
+    """A Gated DeltaNet layer this room splits: its forward calls both kernels by their module names."""
+    modeling = sys.modules.get(type(module).__module__)
+    forward = inspect.unwrap(getattr(type(module), IMPL, type(module).forward))  # under transformers' decorators
+    names = getattr(getattr(forward, "__code__", None), "co_names", ())
+    return modeling is not None and all(hasattr(modeling, n) for n in (CONV, RULE)) and CONV in names \
+        and RULE in names
+
+
+def install(modeling: ModuleType) -> None:
+    """Wrap ``modeling``'s kernels and recurrent-mask builder (idempotent)."""
+    for name, wrap in ((CONV, _conv), (RULE, _rule), (MASK, _mask)):
+        fn = getattr(modeling, name, None)
+        if fn is not None and not hasattr(fn, WRAPPED):
+            wrapper = wrap(fn)
+            setattr(wrapper, WRAPPED, fn)
+            setattr(modeling, name, wrapper)
+
+
+def _chunks(state: CallState, x: torch.Tensor, dim: int) -> list[torch.Tensor]:
+    """This rank's two chunks of ``x`` along ``dim`` (local order = zigzag runs)."""
+    return [x.narrow(dim, local, n) for local, _, n in state.zig.runs()]
+
+
+def _global(state: CallState) -> list[tuple[int, int]]:
+    """For each global chunk in sequence order: (rank, slot) holding it."""
+    size = state.group.size
+    return [(c, 0) if c < size else (2 * size - 1 - c, 1) for c in range(2 * size)]
+
+
+def _mine(state: CallState) -> list[int]:
+    """The global chunk index of this rank's slots 0 and 1."""
+    rank, size = state.group.rank, state.group.size
+    return [rank, 2 * size - 1 - rank]
+
+
+def _refuse(what: str, why: str) -> ShardingError:
+    return ShardingError(f"{what} under context parallel: {why}; train this batch without cp, or report the model")
+
+
+def _conv(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    @functools.wraps(fn)
+    def conv(conv1d: torch.nn.Conv1d, hidden_states: torch.Tensor, cache: Any, layer_idx: int, *args: Any,
+             **kwargs: Any) -> torch.Tensor:
+        state = current()
+        if state is None:
+            return fn(conv1d, hidden_states, cache, layer_idx, *args, **kwargs)
+        if cache is not None or kwargs.get("seq_idx") is not None or kwargs.get("cu_seqlens") is not None:
+            raise _refuse(f"{CONV} with a cache or document ids (seq_idx / cu_seqlens)",
+                          "the convolution's halo crosses ranks")
+        halo = conv1d.kernel_size[0] - 1
+        pieces = _chunks(state, hidden_states, 2)  # [B, D, c] each
+        if halo == 0:
+            return fn(conv1d, hidden_states, None, layer_idx, *args, **kwargs)
+        c = pieces[0].shape[-1]
+        keep = min(halo, c)
+        tails = gather_to(torch.stack([p[..., c - keep :] for p in pieces]), state.group, 0)  # [2C, B, D, keep]
+        holders = _global(state)
+        joined = []
+        for g, piece in zip(_mine(state), pieces, strict=True):
+            before = [tails[2 * r + slot] for r, slot in holders[max(0, g - -(-halo // keep)) : g]]
+            prefix = torch.cat([piece.new_zeros(*piece.shape[:-1], halo), *before], dim=-1)[..., -halo:]
+            joined.append(torch.cat([prefix, piece], dim=-1))
+        out = fn(conv1d, torch.cat(joined, dim=0), None, layer_idx, *args, **kwargs)[..., halo:]
+        return torch.cat(out.chunk(2, dim=0), dim=-1)
+
+    return conv
+
+
+def _rule(fn: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def rule(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        state = current()
+        if state is None:
+            return fn(query, key, value, *args, **kwargs)
+        if args:
+            raise _refuse(f"{RULE} with positional g / beta", "the wrapper reads them by name")
+        if kwargs.get("initial_state") is not None or kwargs.get("output_final_state") or \
+                kwargs.get("cu_seqlens") is not None:
+            raise _refuse(f"{RULE} with a recurrent state or document ids (initial_state, output_final_state, "
+                          "cu_seqlens)", "the state is passed between ranks by hp_lazy")
+        g, beta = kwargs.pop("g"), kwargs.pop("beta")
+        kwargs.pop("initial_state", None), kwargs.pop("output_final_state", None)
+        b, dk = key.shape[0], key.shape[-1]
+        heads, dv = value.shape[2], value.shape[-1]  # the state is per value head (query/key heads may be fewer)
+        # both chunks as one batch: [2B, c, H, *]; the value columns [v | 0_Dk] from the state [0 | I]
+        q, k, gg, bb = (torch.cat(_chunks(state, t, 1), dim=0) for t in (query, key, g, beta))
+        v = torch.cat(_chunks(state, value, 1), dim=0)
+        v = torch.cat([v, v.new_zeros(*v.shape[:-1], dk)], dim=-1)
+        eye = torch.eye(dk, dtype=torch.float32, device=value.device).expand(2 * b, heads, dk, dk)
+        start = torch.cat([eye.new_zeros(2 * b, heads, dk, dv), eye], dim=-1)
+        out, final = fn(q, k, v, g=gg, beta=bb, initial_state=start, output_final_state=True, **kwargs)
+        assert final is not None, f"{RULE} returned no final state with output_final_state=True"
+        # per chunk: S_out = A S_in + F  ([2B, H, Dk, Dk], [2B, H, Dk, Dv])
+        maps = torch.stack(final.float().split(b, dim=0))  # [2, B, H, Dk, Dv + Dk]
+        every = gather_to(maps, state.group, 0)  # [2C, B, H, Dk, Dv + Dk], rank-major
+        starts: dict[int, torch.Tensor] = {}
+        s = every.new_zeros(b, heads, dk, dv)
+        last = max(_mine(state))
+        for g_index, (r, slot) in enumerate(_global(state)[: last + 1]):
+            starts[g_index] = s
+            m = every[2 * r + slot]
+            s = torch.matmul(m[..., dv:], s) + m[..., :dv]
+        s_in = torch.cat([starts[g_index] for g_index in _mine(state)], dim=0)  # [2B, H, Dk, Dv]
+        fixed = out[..., :dv] + torch.einsum("blhk,bhkv->blhv", out[..., dv:].float(), s_in).to(out.dtype)
+        return torch.cat(fixed.split(b, dim=0), dim=1), None
+
+    return rule
+
+
+def _mask(fn: Callable[..., torch.Tensor | None]) -> Callable[..., torch.Tensor | None]:
+    @functools.wraps(fn)
+    def mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
+        state = current()
+        if state is None:
+            return fn(*args, **kwargs)
+        if state.key_padding is None:
+            return None
+        return state.key_padding.index_select(1, state.zig.local).to(torch.long)
+
+    return mask
+

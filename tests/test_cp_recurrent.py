@@ -1,0 +1,73 @@
+"""runtime/cp/recurrent: Gated DeltaNet layers under context parallel. The gated delta rule split
+into zigzag chunks with the state passed between ranks, against one call over the whole sequence
+(outputs and every input's gradient, at world 1 and 2; the kernel computes in float32), with bytes gathered per layer
+independent of the sequence length; and a Qwen3-Next hybrid (linear attention + full attention)
+against one process: plain, padded and packed batches, cp=2 (all-gather and Ulysses) and cp=4.
+
+The kernel computes in float32 and two gradients of a Gated DeltaNet layer (``A_log``, ``dt_bias``:
+sums over every token of the decay's gradient) are ill-conditioned: one process differs from
+itself by ~1.2e-5 when the kernel only changes its chunk size. Those entries may reach twice that
+floor, measured in each test (:func:`cpwork.chunking_floor`); every other entry is held to 1e-5."""
+
+from __future__ import annotations
+
+import cpwork
+import models
+import parity
+import pytest
+from dist import DistPool, pool_fixture
+
+pool2 = pool_fixture(2, timeout=180)
+pool4 = pool_fixture(4, timeout=180)
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("models"))
+
+
+def _ready(pool: DistPool, cp: int, mode: str = "allgather") -> DistPool:
+    parity.once(pool, cpwork.activate, cp, 1, mode)
+    return pool
+
+
+def test_rule_split_into_two_chunks_at_world_1() -> None:
+    got = cpwork.recurrent_rule(0, 1, 24)
+    assert max(got["errors"].values()) <= parity.TOL, got  # the kernel computes in float32
+
+
+@pytest.mark.parametrize("seq", [16, 32])
+def test_rule_state_passed_between_ranks(pool2: DistPool, seq: int) -> None:
+    results = _ready(pool2, 2).run(cpwork.recurrent_rule, seq)
+    for got in results:
+        assert max(got["errors"].values()) <= parity.TOL, got  # the kernel computes in float32
+
+
+def test_rule_bytes_per_layer_do_not_grow_with_the_sequence(pool2: DistPool) -> None:
+    pool = _ready(pool2, 2)
+    short, long = (pool.run(cpwork.recurrent_rule, seq)[0]["gathered"] for seq in (16, 64))
+    b, h, dk, dv, ranks = 2, 3, 8, 6, 2
+    assert short == long == 2 * b * h * dk * (dk + dv) * 4 * (ranks - 1)  # (A, F) of both chunks, float32
+
+
+def test_negative_control_chunks_without_the_state_are_wrong(pool2: DistPool) -> None:
+    results = _ready(pool2, 2).run(cpwork.recurrent_rule, 16, True)
+    assert results[1]["errors"]["out"] > 1e-2  # rank 1's chunks start after rank 0's tokens
+
+
+@pytest.mark.parametrize("kind", ["plain", "padded", "packed"])
+def test_qwen3_next_cp2(pool2: DistPool, root: str, kind: str) -> None:
+    path, data = models.build("qwen3_next", root), cpwork.batch(kind)
+    cpwork.check(_ready(pool2, 2), path, data, cpwork.chunking_floor(path, data))
+
+
+def test_qwen3_next_ulysses_cp2(pool2: DistPool, root: str) -> None:
+    path, data = models.build("qwen3_next", root), cpwork.batch("padded")
+    cpwork.check(_ready(pool2, 2, "ulysses"), path, data, cpwork.chunking_floor(path, data))
+
+
+@pytest.mark.parametrize("kind", ["plain", "packed"])
+def test_qwen3_next_cp4(pool4: DistPool, root: str, kind: str) -> None:
+    """Chunks of 2 tokens, shorter than the convolution's halo of 3: the halo spans two chunks."""
+    path, data = models.build("qwen3_next", root), cpwork.batch(kind)
+    cpwork.check(_ready(pool4, 4), path, data, cpwork.chunking_floor(path, data))
