@@ -388,9 +388,36 @@ def child_reference(family: str, workdir: str) -> None:
         model = getattr(transformers, auto).from_pretrained(workdir, dtype=_dtype(), **_load_options())
         out, loss = _step(model, mode)
         grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+        floor = _chunking_floor(workdir, auto, mode, out, loss, grads, type(model).__module__)
     except Exception as exc:  # noqa: BLE001
         return _write_error(os.path.join(workdir, "skip.json"), exc)
-    torch.save({"out": out, "loss": loss, "grads": grads}, os.path.join(workdir, "ref.pt"))
+    torch.save({"out": out, "loss": loss, "grads": grads, "floor": floor}, os.path.join(workdir, "ref.pt"))
+
+
+def _chunking_floor(workdir: str, auto: str, mode: str, out: Any, loss: Any, grads: dict[str, Any],
+                    modeling_name: str) -> dict[str, float]:
+    """For a model with a Gated DeltaNet layer (transformers' ``torch_chunk_gated_delta_rule``,
+    which computes in float32 whatever the dtype): how far one process is from itself when the
+    kernel runs in chunks of 2 instead of 64, per compared entry. Empty for every other model."""
+    import functools
+
+    import torch
+    import transformers
+
+    modeling = sys.modules[modeling_name]
+    rule = getattr(modeling, "torch_chunk_gated_delta_rule", None)
+    if rule is None:
+        return {}
+    modeling.torch_chunk_gated_delta_rule = functools.partial(rule, chunk_size=2)
+    try:
+        torch.manual_seed(0)
+        model = getattr(transformers, auto).from_pretrained(workdir, dtype=_dtype(), **_load_options())
+        other, other_loss = _step(model, mode)
+    finally:
+        modeling.torch_chunk_gated_delta_rule = rule
+    floor = {"logits/hidden": rel_err(other, out), "loss": rel_err(other_loss, loss)}
+    floor.update({f"grad {n}": rel_err(p.grad, grads[n]) for n, p in model.named_parameters() if p.grad is not None})
+    return floor
 
 
 def child_rank(family: str, workdir: str) -> None:
@@ -561,7 +588,9 @@ def _compare(family: str, workdir: str) -> Row:
     import torch
 
     ref = torch.load(os.path.join(workdir, "ref.pt"))
+    floor = ref.get("floor", {})
     worst: tuple[float, str] = (0.0, "")
+    floored: list[str] = []
     for r in range(2):
         got = torch.load(os.path.join(workdir, f"got{r}.pt"))
         errs = {"logits/hidden": rel_err(got["out"], ref["out"]), "loss": rel_err(got["loss"], ref["loss"])}
@@ -572,14 +601,21 @@ def _compare(family: str, workdir: str) -> Row:
             errs.update({f"grad {n}": rel_err(got["grads"][n], g) for n, g in ref["grads"].items()})
         for n, g in got.get("local", {}).items():  # this rank's expert shard vs its slice
             errs[f"local grad {n}"] = rel_err(g, ref["grads"][n].chunk(2, dim=0)[r])
+        for name, err in errs.items():
+            limit = max(TOL, 2 * floor.get(name, 0.0))
+            if err > limit:
+                return Row(family, "fail", f"rank {r} {name}: rel err {err:.2e} (limit {limit:.1e})")
+            if err > TOL:
+                floored.append(f"{name} {err:.1e} (one process's own floor {floor[name]:.1e})")
         name, err = max(errs.items(), key=lambda kv: kv[1])
         worst = max(worst, (err, f"rank {r} {name}"))
         if r == 0:
             share = f"{got['sharded']}/{got['total']} params sharded"
-    if worst[0] > TOL:
-        return Row(family, "fail", f"{worst[1]}: rel err {worst[0]:.2e}")
     if share.startswith("0/") and _cp() == 1:  # tp, or ep: some expert parameter must be cut
         return Row(family, "fail", f"parity holds but nothing was sharded ({share})")
+    if floored:  # the float32 Gated DeltaNet kernel: within twice one process's distance from itself
+        return Row(family, "pass", f"{share}, max rel err {worst[0]:.1e}; above {TOL:g} only within twice one "
+                   f"process's own chunking floor: {'; '.join(sorted(set(floored))[:3])}")
     return Row(family, "pass", f"{share}, max rel err {worst[0]:.1e}")
 
 

@@ -123,14 +123,6 @@ class ContextEntry:
         if values.get("logits_to_keep") not in (None, 0):
             raise self._refuse(f"logits_to_keep={values['logits_to_keep']!r}", "the last tokens live on other ranks",
                                "use logits_to_keep=0 and hp_lazy.gather_sequence(out.logits)")
-        if self.towers:
-            for name, value in values.items():
-                if name not in _KNOWN and _holds_tensor(value):
-                    raise self._refuse(
-                        f"argument {name!r} (an input of {', '.join(self.towers)})", "the encoder's features land at "
-                        "their tokens' positions over the whole sequence, and each rank holds only its share of "
-                        "those positions; context parallel splits this model's text stack only",
-                        "train batches with these inputs without cp (text-only batches split)")
         ids, embeds = values.get("input_ids"), values.get("inputs_embeds")
         tokens = ids if ids is not None else embeds
         if tokens is None or tokens.dim() < 2:
@@ -151,6 +143,14 @@ class ContextEntry:
             if along and name not in _KNOWN:
                 raise self._refuse(f"argument {name!r} of shape {list(value.shape)}", "hp_lazy does not know how to "
                                    "split it along the sequence", "leave it out, or report the model")
+        if self.towers:
+            for name, value in values.items():
+                if name not in _KNOWN and _holds_tensor(value):
+                    raise self._refuse(
+                        f"argument {name!r} (an input of {', '.join(self.towers)})", "the encoder's features land at "
+                        "their tokens' positions over the whole sequence, and each rank holds only its share of "
+                        "those positions; context parallel splits this model's text stack only",
+                        "train batches with these inputs without cp (text-only batches split)")
         zig = zigzag(seq, size, self.group.rank, tokens.device)
         positions = values.get("position_ids")
         given_positions = positions is not None
