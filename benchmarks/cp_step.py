@@ -58,11 +58,15 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--batches", default="plain", help="comma list of plain, packed, padded")
+    p.add_argument("--model", default="llama", choices=("llama", "qwen3_next"),
+                   help="qwen3_next: a Gated DeltaNet hybrid (layer 0 linear attention, layer 1 full attention)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, one repeat of one step (overrides the sizes)")
     args = p.parse_args(argv)
     if args.smoke:
         args.seqs, args.hidden, args.layers, args.steps, args.repeats = "64", 32, 1, 1, 1
         args.batches = "packed,padded"  # the masked rows; plain runs the same calls with fewer of them
+        if args.model == "qwen3_next":
+            args.layers, args.batches = 2, "padded"  # both layer kinds; the recurrent layers' padding mask
     if set(args.batches.split(",")) - set(BATCHES):
         p.error(f"--batches: {args.batches!r}: each must be one of {', '.join(BATCHES)}")
     return args
@@ -72,13 +76,22 @@ def _build(args: argparse.Namespace, root: str, seq: int) -> str:
     import torch
     import transformers
 
-    config = transformers.LlamaConfig(
+    common = dict(
         vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
         num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
         max_position_embeddings=seq, tie_word_embeddings=False,
     )
+    if args.model == "qwen3_next":  # dense MLPs: the step is the sequence mixers' (alternating GDN, attention)
+        head = args.hidden // args.heads
+        config = transformers.Qwen3NextConfig(
+            **common, head_dim=head, linear_num_key_heads=args.kv_heads, linear_num_value_heads=args.heads,
+            linear_key_head_dim=head, linear_value_head_dim=head, mlp_only_layers=list(range(args.layers)),
+            layer_types=["linear_attention" if i % 2 == 0 else "full_attention" for i in range(args.layers)],
+        )
+    else:
+        config = transformers.LlamaConfig(**common)
     torch.manual_seed(0)
-    path = os.path.join(root, f"llama{seq}")
+    path = os.path.join(root, f"{args.model}{seq}")
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
     return path
 
@@ -215,7 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     lines = [
-        f"cp={args.world} on {args.world} ranks vs one process ({args.world} threads); Llama hidden {args.hidden}, "
+        f"cp={args.world} on {args.world} ranks vs one process ({args.world} threads); "
+        f"{'Qwen3-Next-style hybrid (Gated DeltaNet + attention, dense MLPs)' if args.model == 'qwen3_next' else 'Llama'} "
+        f"hidden {args.hidden}, "
         f"{args.layers} layers, {args.heads} heads ({args.kv_heads} K/V), batch 1, fp32, {args.steps} steps x "
         f"{args.repeats} repeats (medians); saved = bytes autograd keeps for backward per rank; peak = resident "
         "memory a step adds per rank",
@@ -228,18 +243,19 @@ def main(argv: list[str] | None = None) -> int:
         for seq in seqs:
             path = _build(args, root, seq)
             for batch in args.batches.split(","):
-                runs: dict[str, list[tuple[float, int, int]]] = {v: [] for v in VARIANTS}
+                variants = [v for v in VARIANTS if args.model == "llama" or v != "cp, K/V saved"]
+                runs: dict[str, list[tuple[float, int, int]]] = {v: [] for v in variants}
                 for _ in range(args.repeats):
-                    for variant in VARIANTS:
+                    for variant in variants:
                         runs[variant].append(_launch(args, variant, batch, path, seq))
                 base = [statistics.median(x[i] for x in runs["one process"]) for i in range(3)]
-                for variant in VARIANTS:
+                for variant in variants:
                     step, saved, peak = (statistics.median(x[i] for x in runs[variant]) for i in range(3))
                     lines.append(
                         f"| {seq} | {batch} | {variant} | {step:.2f} | {step / base[0]:.2f} | {saved / 2**20:.0f} | "
                         f"{saved / base[1]:.2f} | {peak / 2**20:.0f} | {peak / max(base[2], 1):.2f} |"
                     )
-                print(lines[-len(VARIANTS):], flush=True)
+                print(lines[-len(variants):], flush=True)
     print("\n".join(lines))
     return 0
 

@@ -162,13 +162,14 @@ def test_gradient_checkpointing_recomputes_inside_the_call(ready, reentrant: boo
     assert models.rel_err(results[1]["logits"], ref["logits"]) <= parity.TOL
 
 
-def test_stock_trainer_under_cp(ready, tmp_path) -> None:
+@pytest.mark.parametrize("name", ["llama_gqa", "qwen3_next", "gpt_oss"])  # a Gated DeltaNet hybrid, attention sinks
+def test_stock_trainer_under_cp(ready, tmp_path, name: str) -> None:
     """The stock Trainer (default args: clipping at 1.0, SGD) under cp=2: both ranks read the same
     rows, and losses, logged grad norms and parameters after 3 steps are one process's."""
     import trainwork
 
     pool, root = ready
-    path = models.build("llama_gqa", root)
+    path = models.build(name, root)
     ref = trainwork.trainer(0, 1, path, str(tmp_path / "ref"))
     got = pool.run(trainwork.trainer, path, str(tmp_path / "hp"))
     trainwork.compare_trainer(got[0], ref)
