@@ -289,36 +289,70 @@ def chunking_floor(path: str, data: dict[str, Any], chunk_size: int = 2) -> dict
     return parity.relative_errors(other, ref)
 
 
-def recurrent_rule(rank: int, world: int, seq: int, naive: bool = False) -> dict[str, Any]:
-    """transformers' ``torch_chunk_gated_delta_rule`` on this rank's zigzag rows through
-    :mod:`hp_lazy.runtime.cp.recurrent` against one call over the whole sequence (each rank
-    computes that too): the output rows, every input's gradient, and the bytes gathered.
-    ``naive``: every chunk starts from a zero state (the negative control)."""
+KERNELS = {  # which -> (modeling module, function, hp_lazy wrapper)
+    "gdn": ("qwen3_next", "torch_chunk_gated_delta_rule", "_rule"),
+    "kda": ("kimi_linear", "chunk_kimi_delta_attention", "_rule"),
+    "ssd": ("bamba", "mamba2_chunk_scan", "_ssd"),
+}
+
+
+def _kernel_inputs(which: str, seq: int):  # type: ignore[no-untyped-def]
+    """(sequence inputs [B, S, ...], parameters, keyword names of the sequence inputs after the
+    third, fixed keywords, the output's trailing shape) for one kernel."""
     import torch
-    from transformers.models.qwen3_next import modeling_qwen3_next as m
+
+    gen = torch.Generator().manual_seed(0)
+    b, h, dk, dv = 2, 3, 8, 6
+
+    def rnd(*shape: int):  # type: ignore[no-untyped-def]
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    if which == "ssd":  # x [B, S, H, P], dt [B, S, H], B and C [B, S, G, N]; A, D, dt_bias per head
+        seqs = [rnd(b, seq, h, dv), rnd(b, seq, h), rnd(b, seq, 1, dk), rnd(b, seq, 1, dk)]
+        params = {"A": -torch.rand(h, generator=gen, dtype=torch.float64) - 0.1, "D": rnd(h), "dt_bias": rnd(h)}
+        return seqs, params, (), {"chunk_size": 4, "dt_softplus": True}, (h, dv)
+    g = -torch.rand(b, seq, h, *((dk,) if which == "kda" else ()), generator=gen, dtype=torch.float64)
+    seqs = [rnd(b, seq, h, dk), rnd(b, seq, h, dk), rnd(b, seq, h, dv), g,
+            torch.rand(b, seq, h, generator=gen, dtype=torch.float64)]
+    return seqs, {}, ("g", "beta"), {"chunk_size": 4, "use_qk_l2norm_in_kernel": True}, (h, dv)
+
+
+def _call(fn, which: str, seqs, params, names, fixed):  # type: ignore[no-untyped-def]
+    if which == "ssd":
+        x, dt, b_in, c_in = seqs
+        return fn(x, dt, params["A"], b_in, c_in, D=params["D"], dt_bias=params["dt_bias"], **fixed)
+    return fn(*seqs[:3], **dict(zip(names, seqs[3:], strict=True)), **fixed)[0]
+
+
+def recurrent_rule(rank: int, world: int, seq: int, naive: bool = False, which: str = "gdn") -> dict[str, Any]:
+    """transformers' torch kernel ``which`` (:data:`KERNELS`) on this rank's zigzag rows through
+    :mod:`hp_lazy.runtime.cp.recurrent` against one call over the whole sequence (each rank
+    computes that too): the output rows, every input's gradient (parameters summed over the ranks)
+    and the bytes gathered. ``naive``: every chunk starts from a zero state (the negative control)."""
+    import importlib
+
+    import torch
 
     import hp_lazy
     from hp_lazy.runtime.cp import recurrent, state
     from hp_lazy.runtime.cp.zigzag import zigzag
     from hp_lazy.runtime.mesh import Group
 
-    kernel = getattr(m.torch_chunk_gated_delta_rule, recurrent.WRAPPED, m.torch_chunk_gated_delta_rule)
-    gen = torch.Generator().manual_seed(0)
-    b, h, dk, dv = 2, 3, 8, 6
-    q, k = (torch.randn(b, seq, h, dk, generator=gen, dtype=torch.float64) for _ in range(2))
-    v = torch.randn(b, seq, h, dv, generator=gen, dtype=torch.float64)
-    g = -torch.rand(b, seq, h, generator=gen, dtype=torch.float64)
-    beta = torch.rand(b, seq, h, generator=gen, dtype=torch.float64)
-    dout = torch.randn(b, seq, h, dv, generator=gen, dtype=torch.float64)
-    whole = [t.clone().requires_grad_() for t in (q, k, v, g, beta)]
-    ref, _ = kernel(*whole[:3], g=whole[3], beta=whole[4], chunk_size=4, use_qk_l2norm_in_kernel=True)
+    family, name, wrapper = KERNELS[which]
+    m = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    kernel = getattr(getattr(m, name), recurrent.WRAPPED, getattr(m, name))
+    seqs, params, names, fixed, tail = _kernel_inputs(which, seq)
+    dout = torch.randn(seqs[0].shape[0], seq, *tail, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    whole = [t.clone().requires_grad_() for t in seqs]
+    whole_params = {k: v.clone().requires_grad_() for k, v in params.items()}
+    ref = _call(kernel, which, whole, whole_params, names, fixed)
     ref.backward(dout)
     group = hp_lazy.mesh().group("cp") if world > 1 else Group.solo("cp")
-    zig = zigzag(seq, world, rank, q.device)
-    mine = [t.index_select(1, zig.local).clone().requires_grad_() for t in (q, k, v, g, beta)]
+    zig = zigzag(seq, world, rank, seqs[0].device)
+    mine = [t.index_select(1, zig.local).clone().requires_grad_() for t in seqs]
+    mine_params = {k: v.clone().requires_grad_() for k, v in params.items()}
     if naive:  # each chunk from a zero state, as a cp that passed no state would
-        out = torch.cat([kernel(*(t.narrow(1, at, n) for t in mine[:3]), g=mine[3].narrow(1, at, n),
-                                beta=mine[4].narrow(1, at, n), chunk_size=4, use_qk_l2norm_in_kernel=True)[0]
+        out = torch.cat([_call(kernel, which, [t.narrow(1, at, n) for t in mine], mine_params, names, fixed)
                          for at, _, n in zig.runs()], dim=1)
         return {"errors": {"out": models.rel_err(out, ref.detach().index_select(1, zig.local))}}
     call = state.CallState(group=group, zig=zig, mode="cp_allgather_kv", positions=torch.arange(seq)[None],
@@ -326,16 +360,17 @@ def recurrent_rule(rank: int, world: int, seq: int, naive: bool = False) -> dict
     token = state.enter(call)
     try:
         with hp_lazy.collective_counter() as counter:
-            out, _ = recurrent._rule(kernel)(*mine[:3], g=mine[3], beta=mine[4], chunk_size=4,
-                                             use_qk_l2norm_in_kernel=True)
+            out = _call(getattr(recurrent, wrapper)(kernel), which, mine, mine_params, names, fixed)
             out.backward(dout.index_select(1, zig.local))
     finally:
         state.leave(token)
     errors = {"out": models.rel_err(out, ref.detach().index_select(1, zig.local))}
-    for name, got, want in zip(("q", "k", "v", "g", "beta"), mine, whole, strict=True):
+    for i, (got, want) in enumerate(zip(mine, whole, strict=True)):
         full = torch.zeros_like(want)
         full.index_copy_(1, zig.local, got.grad)
-        errors[f"grad {name}"] = models.rel_err(gather_sequence_sum(full, world), want.grad)
+        errors[f"grad input {i}"] = models.rel_err(gather_sequence_sum(full, world), want.grad)
+    for key, got in mine_params.items():
+        errors[f"grad {key}"] = models.rel_err(gather_sequence_sum(got.grad, world), whole_params[key].grad)
     return {"errors": errors, "gathered": counter.bytes_of("all_gather")}
 
 

@@ -108,6 +108,14 @@ MORE_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
                                        "linear_conv_kernel_dim": 4, "num_experts": 4, "num_experts_per_tok": 2,
                                        "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
                                        "layer_types": ["linear_attention", "full_attention"]}),
+    # a Mamba2 hybrid: layer 0 Mamba2 (4 heads of 16, state 8, SSD chunks of 4, conv kernel 4), layer 1 attention
+    "bamba": ("BambaConfig", {"attn_layer_indices": [1], "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_d_state": 8,
+                              "mamba_n_groups": 1, "mamba_chunk_size": 4, "num_key_value_heads": 2,
+                              "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
+    # short gated convolutions: layer 0 a conv layer of kernel 7 (its halo of 6 spans the chunks of 4 tokens
+    # before it at cp=2), layer 1 attention
+    "lfm3": ("Lfm3Config", {"head_dim": 8, "num_key_value_heads": 2, "layer_types": ["conv", "full_attention"],
+                            "conv_L_cache": 7, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
     # vision-language: a vision tower with its own config (2 blocks) beside the text stack; under
     # cp the text stack splits and the tower runs whole (text-only batches; image inputs refused)
     "qwen2_vl": ("Qwen2VLConfig", {

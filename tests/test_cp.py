@@ -124,13 +124,13 @@ def test_attention_cp_cannot_split_is_refused_by_layer(ready, name: str, family:
 
 
 def test_recurrent_layers_cp_cannot_split_are_refused_by_layer(ready) -> None:
-    """Jamba's Mamba layers (not a Gated DeltaNet): refused at load, naming the layer and what splits."""
+    """Jamba's Mamba (1) layers, whose scan decays per channel: refused at load, naming the layer and what splits."""
     pool, root = ready
     got = pool.run(cpwork.error, models.build("jamba", root), {"input_ids": models.batch()})
     assert got == ["ShardingError: JambaForCausalLM: layer 0 is a 'linear_attention' layer, which mixes tokens along "
                    "the sequence outside attention; context parallel splits only ['full_attention', "
-                   "'sliding_attention'] layers and Gated DeltaNet layers (transformers' torch_chunk_gated_delta_rule); "
-                   "train without cp"] * 2
+                   "'sliding_attention'] layers and recurrent layers on transformers' Gated DeltaNet, KDA, Mamba2 and "
+                   "short-convolution kernels; train without cp"] * 2
 
 
 @pytest.mark.parametrize(("data", "expected"), REFUSED, ids=[e.split(" under")[0][:30] for _, e in REFUSED])

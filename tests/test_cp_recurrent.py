@@ -31,27 +31,34 @@ def _ready(pool: DistPool, cp: int, mode: str = "allgather") -> DistPool:
     return pool
 
 
-def test_rule_split_into_two_chunks_at_world_1() -> None:
-    got = cpwork.recurrent_rule(0, 1, 24)
-    assert max(got["errors"].values()) <= parity.TOL, got  # the kernel computes in float32
+KERNELS = sorted(cpwork.KERNELS)  # gated delta rule, KDA (per-channel decay), Mamba2's SSD scan
 
 
+@pytest.mark.parametrize("which", KERNELS)
+def test_kernel_split_into_two_chunks_at_world_1(which: str) -> None:
+    got = cpwork.recurrent_rule(0, 1, 24, False, which)
+    assert max(got["errors"].values()) <= parity.TOL, got  # the kernels compute in float32
+
+
+@pytest.mark.parametrize("which", KERNELS)
 @pytest.mark.parametrize("seq", [16, 32])
-def test_rule_state_passed_between_ranks(pool2: DistPool, seq: int) -> None:
-    results = _ready(pool2, 2).run(cpwork.recurrent_rule, seq)
+def test_kernel_state_passed_between_ranks(pool2: DistPool, seq: int, which: str) -> None:
+    results = _ready(pool2, 2).run(cpwork.recurrent_rule, seq, False, which)
     for got in results:
-        assert max(got["errors"].values()) <= parity.TOL, got  # the kernel computes in float32
+        assert max(got["errors"].values()) <= parity.TOL, got  # the kernels compute in float32
 
 
-def test_rule_bytes_per_layer_do_not_grow_with_the_sequence(pool2: DistPool) -> None:
+@pytest.mark.parametrize("which", KERNELS)
+def test_kernel_bytes_per_layer_do_not_grow_with_the_sequence(pool2: DistPool, which: str) -> None:
     pool = _ready(pool2, 2)
-    short, long = (pool.run(cpwork.recurrent_rule, seq)[0]["gathered"] for seq in (16, 64))
-    b, h, dk, dv, ranks = 2, 3, 8, 6, 2
-    assert short == long == 2 * b * h * dk * (dk + dv) * 4 * (ranks - 1)  # (A, F) of both chunks, float32
+    short, long = (pool.run(cpwork.recurrent_rule, seq, False, which)[0]["gathered"] for seq in (16, 64))
+    b, h, dk, dv = 2, 3, 8, 6  # the maps (A, F) of this rank's 2 chunks, float32: [Dk, Dk + Dv] / [P + N, N]
+    assert short == long == 2 * b * h * (dk * (dk + dv) if which != "ssd" else (dv + dk) * dk) * 4
 
 
-def test_negative_control_chunks_without_the_state_are_wrong(pool2: DistPool) -> None:
-    results = _ready(pool2, 2).run(cpwork.recurrent_rule, 16, True)
+@pytest.mark.parametrize("which", KERNELS)
+def test_negative_control_chunks_without_the_state_are_wrong(pool2: DistPool, which: str) -> None:
+    results = _ready(pool2, 2).run(cpwork.recurrent_rule, 16, True, which)
     assert results[1]["errors"]["out"] > 1e-2  # rank 1's chunks start after rank 0's tokens
 
 
@@ -71,3 +78,10 @@ def test_qwen3_next_cp4(pool4: DistPool, root: str, kind: str) -> None:
     """Chunks of 2 tokens, shorter than the convolution's halo of 3: the halo spans two chunks."""
     path, data = models.build("qwen3_next", root), cpwork.batch(kind)
     cpwork.check(_ready(pool4, 4), path, data, cpwork.chunking_floor(path, data))
+
+
+@pytest.mark.parametrize("name", ["bamba", "lfm3"])
+@pytest.mark.parametrize("kind", ["plain", "padded"])
+def test_mamba2_and_short_conv_hybrids_cp2(pool2: DistPool, root: str, name: str, kind: str) -> None:
+    """Bamba (Mamba2's SSD scan) and LFM3 (a gated short convolution of kernel 7) under cp=2."""
+    cpwork.check(_ready(pool2, 2), models.build(name, root), cpwork.batch(kind))

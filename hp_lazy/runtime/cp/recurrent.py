@@ -1,35 +1,43 @@
-"""Recurrent layers under context parallel: the gated delta rule (Gated DeltaNet) and its short
-causal convolution, split over the sequence with transformers' own torch kernels as the local
-computation, in the zigzag order the attention layers use (no reordering all-to-all).
+"""Recurrent layers under context parallel, split over the sequence with transformers' own torch
+kernels as the local computation, in the zigzag order the attention layers use (no reordering
+all-to-all): the gated delta rule (Gated DeltaNet: Qwen3-Next, Qwen3.5, OLMo-hybrid, Lara), its
+per-channel-decay form (KDA: Kimi Linear, Bailing-hybrid, GLM-5-Next), Mamba2's state space scan
+(Bamba, Falcon-H1, Nemotron-H, GraniteMoE-hybrid, Zamba2) and the short causal convolutions all of
+them (and LFM's and Inkling's convolution layers) run first.
 
 A rank holds two chunks of ``c`` tokens of the global sequence: chunk ``r`` and chunk
-``2C - 1 - r`` (:mod:`.zigzag`). Both kernels mix tokens only forward in time, so each chunk needs
+``2C - 1 - r`` (:mod:`.zigzag`). Every kernel mixes tokens only forward in time, so each chunk needs
 only what precedes it:
 
 - **Causal convolution** (kernel ``k``): each chunk is convolved with the ``k - 1`` tokens before
   it prepended (its *halo*; zeros before the first token, as the kernel's own padding). The last
   ``min(k - 1, c)`` tokens of every chunk are all-gathered (``2 x B x D x (k - 1)`` values per rank,
   whatever ``S``), and the halo of chunk ``g`` is read from the chunks before it.
-- **Gated delta rule**: the state ``S`` (``[Dk, Dv]`` per head) evolves column by column,
-  linearly: a chunk maps the state it starts from to ``A S + F``, and its outputs to
-  ``out0 + q_eff S``. One kernel call per chunk gives all of it: the value columns are the real
-  values next to ``Dk`` columns of zeros, started from ``[0 | I]``; the first ``Dv`` columns of the
-  output and final state are ``out0`` and ``F``, the last ``Dk`` are ``q_eff`` and ``A``. The
-  ``(A, F)`` of every chunk are all-gathered (``2 x B x H x Dk x (Dk + Dv)`` per rank: bytes per
-  layer independent of ``S``), every rank composes them in sequence order up to its chunks (the
-  scan of per-chunk transitions, ``2C`` small matmuls) and adds ``q_eff S_in`` to its outputs.
-  Autograd runs through all of it (the all-gather's backward reduce-scatters the gradients of
-  ``A`` and ``F`` to the chunks they came from).
+- **Linear recurrences**: the state (``[Dk, Dv]`` per head for the delta rules, ``[P, N]`` for
+  Mamba2) evolves linearly and independently along one of its axes (the delta rules' value
+  columns, Mamba2's head-dim rows): a chunk maps the state it starts from to ``A S + F`` (Mamba2:
+  ``S A + F``), and its outputs to ``out0 + q_eff S``. One kernel call per chunk gives all of it:
+  the independent axis is widened by identity slices (values of zeros next to the real ones,
+  started from ``[0 | I]``); the real part of the output and final state are ``out0`` and ``F``,
+  the identity part ``q_eff`` and ``A``. The ``(A, F)`` of every chunk are all-gathered (per rank
+  ``2 x B x H x Dk x (Dk + Dv)``, Mamba2 ``2 x B x H x (P + N) x N``: bytes per layer independent
+  of ``S``), every rank composes them in sequence order up to its chunks (the scan of per-chunk
+  transitions, ``2C`` small matmuls) and adds ``q_eff S_in`` to its outputs. Autograd runs through
+  all of it (the all-gather's backward reduce-scatters the gradients of ``A`` and ``F`` to the
+  chunks they came from).
 
 Packed documents: transformers' torch kernels reset neither the state nor the convolution at a
 document boundary unless the caller passes ``cu_seqlens`` / ``seq_idx``; neither does this (and
 those arguments are refused under cp). Padding: the model zeroes padded tokens' hidden states with
 the 2-D mask from ``create_recurrent_attention_mask``, which under cp returns this rank's rows.
 
-Installed per modeling module (:func:`install`) by wrapping its module-level
-``causal_conv1d_forward`` and ``torch_chunk_gated_delta_rule`` (the names the layers call, after
-any hub kernel took their place) and ``create_recurrent_attention_mask``; outside a
-context-parallel forward each wrapper calls through unchanged.
+A layer is split when every module-level function its forward calls is one of :data:`KNOWN` and
+it calls the convolution (:func:`supports`); anything else (Mamba1's per-channel scan, a lightning
+attention) is refused at load. Installed per modeling module (:func:`install`) by wrapping the
+module-level functions the layers call (after any hub kernel took their place) and
+``create_recurrent_attention_mask``; outside a context-parallel forward each wrapper calls
+through unchanged. The fused Mamba2 path (``mamba2_split_conv1d_scan_combined``, a CUDA kernel)
+is declined under cp, so the layer takes its modular path through the wrapped functions.
 """
 
 from __future__ import annotations
@@ -50,23 +58,37 @@ from hp_lazy.runtime.cp.state import CallState, current
 
 CONV = "causal_conv1d_forward"
 RULE = "torch_chunk_gated_delta_rule"
+KDA = "chunk_kimi_delta_attention"
+SCAN = "mamba2_scan_forward"
+SSD = "mamba2_chunk_scan"
+FUSED = "mamba2_split_conv1d_scan_combined"
 MASK = "create_recurrent_attention_mask"
+DECODE = ("torch_recurrent_gated_delta_rule", "recurrent_kimi_delta_attention")
+"""One-token (cached) steps: a cache is refused under cp before any layer runs."""
+KNOWN = frozenset({CONV, RULE, KDA, SCAN, FUSED, "apply_mask_to_padding_states", *DECODE})
+"""The module-level functions a recurrent layer's forward may call to be split."""
 WRAPPED = "hp_cp_wrapped"
 """Set on a wrapper (its original under it), so a module is wrapped once."""
 
 
 def supports(module: torch.nn.Module) -> bool:
-    """A Gated DeltaNet layer this room splits: its forward calls both kernels by their module names."""
+    """A recurrent layer this room splits: its forward calls the causal convolution, and every
+    module-level function it calls is one of :data:`KNOWN` (Mamba2's scan only where the module
+    has the SSD kernel it calls)."""
     modeling = sys.modules.get(type(module).__module__)
+    if modeling is None:
+        return False
     forward = inspect.unwrap(getattr(type(module), IMPL, type(module).forward))  # under transformers' decorators
     names = getattr(getattr(forward, "__code__", None), "co_names", ())
-    return modeling is not None and all(hasattr(modeling, n) for n in (CONV, RULE)) and CONV in names \
-        and RULE in names
+    # module-level callables that are not classes (hub kernel decorators make some of them objects)
+    called = {n for n in names if n in vars(modeling) and callable(vars(modeling)[n])
+              and not isinstance(vars(modeling)[n], type)}
+    return CONV in called and called <= KNOWN and (SCAN not in called or hasattr(modeling, SSD))
 
 
 def install(modeling: ModuleType) -> None:
     """Wrap ``modeling``'s kernels and recurrent-mask builder (idempotent)."""
-    for name, wrap in ((CONV, _conv), (RULE, _rule), (MASK, _mask)):
+    for name, wrap in ((CONV, _conv), (RULE, _rule), (KDA, _rule), (SSD, _ssd), (FUSED, _declined), (MASK, _mask)):
         fn = getattr(modeling, name, None)
         if fn is not None and not hasattr(fn, WRAPPED):
             wrapper = wrap(fn)
@@ -125,16 +147,19 @@ def _conv(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
 
 
 def _rule(fn: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]) -> Callable[..., Any]:
+    """A delta rule (gated: ``g [B, L, H]``; KDA: ``g [B, L, H, Dk]``): state ``[H, Dk, Dv]``."""
+    name = getattr(inspect.unwrap(fn), "__name__", RULE)
+
     @functools.wraps(fn)
     def rule(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         state = current()
         if state is None:
             return fn(query, key, value, *args, **kwargs)
         if args:
-            raise _refuse(f"{RULE} with positional g / beta", "the wrapper reads them by name")
+            raise _refuse(f"{name} with positional g / beta", "the wrapper reads them by name")
         if kwargs.get("initial_state") is not None or kwargs.get("output_final_state") or \
                 kwargs.get("cu_seqlens") is not None:
-            raise _refuse(f"{RULE} with a recurrent state or document ids (initial_state, output_final_state, "
+            raise _refuse(f"{name} with a recurrent state or document ids (initial_state, output_final_state, "
                           "cu_seqlens)", "the state is passed between ranks by hp_lazy")
         g, beta = kwargs.pop("g"), kwargs.pop("beta")
         kwargs.pop("initial_state", None), kwargs.pop("output_final_state", None)
@@ -147,22 +172,75 @@ def _rule(fn: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]) -> Callab
         eye = torch.eye(dk, dtype=torch.float32, device=value.device).expand(2 * b, heads, dk, dk)
         start = torch.cat([eye.new_zeros(2 * b, heads, dk, dv), eye], dim=-1)
         out, final = fn(q, k, v, g=gg, beta=bb, initial_state=start, output_final_state=True, **kwargs)
-        assert final is not None, f"{RULE} returned no final state with output_final_state=True"
+        assert final is not None, f"{name} returned no final state with output_final_state=True"
         # per chunk: S_out = A S_in + F  ([2B, H, Dk, Dk], [2B, H, Dk, Dv])
-        maps = torch.stack(final.float().split(b, dim=0))  # [2, B, H, Dk, Dv + Dk]
-        every = gather_to(maps, state.group, 0)  # [2C, B, H, Dk, Dv + Dk], rank-major
-        starts: dict[int, torch.Tensor] = {}
-        s = every.new_zeros(b, heads, dk, dv)
-        last = max(_mine(state))
-        for g_index, (r, slot) in enumerate(_global(state)[: last + 1]):
-            starts[g_index] = s
-            m = every[2 * r + slot]
-            s = torch.matmul(m[..., dv:], s) + m[..., :dv]
-        s_in = torch.cat([starts[g_index] for g_index in _mine(state)], dim=0)  # [2B, H, Dk, Dv]
+        s_in = _starts(state, final.float(), final.new_zeros(b, heads, dk, dv, dtype=torch.float32),
+                       lambda m, s: torch.matmul(m[..., dv:], s) + m[..., :dv])
         fixed = out[..., :dv] + torch.einsum("blhk,bhkv->blhv", out[..., dv:].float(), s_in).to(out.dtype)
         return torch.cat(fixed.split(b, dim=0), dim=1), None
 
     return rule
+
+
+def _starts(state: CallState, final: torch.Tensor, zero: torch.Tensor,
+            step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The state each of this rank's two chunks starts from, ``[2B, ...]``: the chunks' maps
+    (``final``, ``[2B, ...]``, both chunks along the batch) all-gathered and composed in sequence
+    order from ``zero`` (``[B, ...]``), ``s_next = step(map, s)``."""
+    maps = torch.stack(final.split(zero.shape[0], dim=0))  # [2, B, ...]
+    every = gather_to(maps, state.group, 0)  # [2C, B, ...], rank-major
+    s = zero
+    starts: dict[int, torch.Tensor] = {}
+    for g_index, (r, slot) in enumerate(_global(state)[: max(_mine(state)) + 1]):
+        starts[g_index] = s
+        s = step(every[2 * r + slot], s)
+    return torch.cat([starts[g_index] for g_index in _mine(state)], dim=0)
+
+
+def _ssd(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Mamba2's chunked scan (``hidden_states [B, L, H, P], dt, A, B, C``; state ``[H, P, N]``):
+    the head-dim rows are independent, so ``N`` rows of zero input started from the identity give
+    the chunk's decay (``final[P:] = a I``) and ``exp(cumsum) C`` (``out[P:]``)."""
+
+    @functools.wraps(fn)
+    def ssd(hidden_states: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b_in: torch.Tensor, c_in: torch.Tensor,
+            *args: Any, **kwargs: Any) -> Any:
+        state = current()
+        if state is None:
+            return fn(hidden_states, dt, a, b_in, c_in, *args, **kwargs)
+        if args:
+            raise _refuse(f"{SSD} with positional arguments after C", "the wrapper reads them by name")
+        if kwargs.get("initial_states") is not None or kwargs.get("return_final_states") or \
+                kwargs.get("seq_idx") is not None or kwargs.get("cu_seqlens") is not None:
+            raise _refuse(f"{SSD} with a recurrent state or document ids (initial_states, return_final_states, "
+                          "seq_idx, cu_seqlens)", "the state is passed between ranks by hp_lazy")
+        kwargs.pop("initial_states", None), kwargs.pop("return_final_states", None)
+        b, heads, p = hidden_states.shape[0], hidden_states.shape[2], hidden_states.shape[3]
+        n = b_in.shape[-1]
+        x = torch.cat(_chunks(state, hidden_states, 1), dim=0)
+        x = torch.cat([x, x.new_zeros(*x.shape[:-1], n)], dim=-1)  # [2B, c, H, P + N]
+        dt2, b2, c2 = (torch.cat(_chunks(state, t, 1), dim=0) for t in (dt, b_in, c_in))
+        eye = torch.eye(n, dtype=torch.float32, device=x.device).expand(2 * b, heads, n, n)
+        start = torch.cat([eye.new_zeros(2 * b, heads, p, n), eye], dim=2)  # [2B, H, P + N, N]
+        out, final = fn(x, dt2, a, b2, c2, initial_states=start, return_final_states=True, **kwargs)
+        # per chunk: S_out = S_in M + F  (M = final[P:], [N, N]; F = final[:P], [P, N])
+        s_in = _starts(state, final.float(), final.new_zeros(b, heads, p, n, dtype=torch.float32),
+                       lambda m, s: torch.matmul(s, m[..., p:, :]) + m[..., :p, :])
+        fixed = out[..., :p] + torch.einsum("blhn,bhpn->blhp", out[..., p:].float(), s_in).to(out.dtype)
+        return torch.cat(fixed.split(b, dim=0), dim=1)
+
+    return ssd
+
+
+def _declined(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """The fused Mamba2 kernel (convolution and scan in one CUDA call): None under cp, which sends
+    the layer down its modular path (the wrapped convolution and scan)."""
+
+    @functools.wraps(fn)
+    def declined(*args: Any, **kwargs: Any) -> Any:
+        return None if current() is not None else fn(*args, **kwargs)
+
+    return declined
 
 
 def _mask(fn: Callable[..., torch.Tensor | None]) -> Callable[..., torch.Tensor | None]:

@@ -6,9 +6,10 @@ Bound per model (the walker calls it like every style, :mod:`hp_lazy.runtime.sty
   attention module that calls transformers' attention interface; what that attention cannot do
   split over the sequence is refused here (K/V compressed or selected over the whole sequence,
   dropout); attention sinks and logit softcapping run in the blockwise attention;
-- ``finish``: the model's layer types must all be attention (full or sliding) or Gated DeltaNet
-  layers (:mod:`.recurrent`: state passed between ranks; other linear-attention, Mamba or
-  convolution layers mix tokens outside attention and are refused), every attention module of the text stack must
+- ``finish``: the model's layer types must all be attention (full or sliding) or recurrent layers
+  :mod:`.recurrent` splits (Gated DeltaNet, KDA, Mamba2, short convolutions: state passed between
+  ranks; others, Mamba1 or lightning attention, mix tokens outside attention and are refused),
+  every attention module of the text stack must
   be one the plan names, the text stack's attention implementation becomes
   :data:`~hp_lazy.runtime.cp.attention.KEY` (a tower with a config of its own — a vision or
   audio encoder — keeps its own and runs whole; the entry refuses its inputs), RoPE
@@ -93,8 +94,9 @@ class ContextParallelStyle:
             if kind not in ATTENTION_LAYERS and i not in split:
                 raise ShardingError(
                     f"{family}: layer {i} is a {kind!r} layer, which mixes tokens along the sequence outside "
-                    f"attention; context parallel splits only {sorted(ATTENTION_LAYERS)} layers and Gated DeltaNet "
-                    "layers (transformers' torch_chunk_gated_delta_rule); train without cp"
+                    f"attention; context parallel splits only {sorted(ATTENTION_LAYERS)} layers and recurrent "
+                    "layers on transformers' Gated DeltaNet, KDA, Mamba2 and short-convolution kernels; train "
+                    "without cp"
                 )
         for modeling in {id(type(m)): sys.modules[type(m).__module__] for m in mixers}.values():
             recurrent.install(modeling)
