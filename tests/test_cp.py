@@ -123,6 +123,30 @@ def test_attention_cp_cannot_split_is_refused_by_layer(ready, name: str, family:
                    f"sequence: it {why}; train this family without cp"] * 2
 
 
+def test_attention_arguments_cp_does_not_split_are_refused() -> None:
+    """Inkling passes an additive position_bias built from each rank's local rows and keys: never dropped
+    silently (it was), refused naming the argument."""
+    import torch
+
+    from hp_lazy.errors import ShardingError
+    from hp_lazy.runtime.cp import attention, state
+    from hp_lazy.runtime.cp.zigzag import zigzag
+    from hp_lazy.runtime.mesh import Group
+
+    call = state.CallState(group=Group.solo("cp"), zig=zigzag(8, 1, 0, torch.device("cpu")), mode="cp_allgather_kv",
+                           positions=torch.arange(8)[None], docs=None, key_padding=None)
+    q = torch.zeros(1, 2, 8, 4)
+    token = state.enter(call)
+    try:
+        with pytest.raises(ShardingError) as caught:
+            attention.cp_attention(torch.nn.Module(), q, q, q, None, position_bias=torch.zeros(1, 2, 8, 8))
+    finally:
+        state.leave(token)
+    assert str(caught.value) == ("Module: passes ['position_bias'] to the attention function, which context parallel "
+                                 "does not split (each rank holds its rows of the queries and keys); train this family "
+                                 "without cp")
+
+
 def test_recurrent_layers_cp_cannot_split_are_refused_by_layer(ready) -> None:
     """Jamba's Mamba (1) layers, whose scan decays per channel: refused at load, naming the layer and what splits."""
     pool, root = ready

@@ -48,6 +48,14 @@ from hp_lazy.runtime.cp.zigzag import Zigzag
 from hp_lazy.runtime.mesh import Group
 
 KEY = "hp_lazy_cp"
+UNDERSTOOD = frozenset({"s_aux", "softcap", "position_ids", "cache_position", "cu_seq_lens_q", "cu_seq_lens_k",
+                        "max_length_q", "max_length_k", "seq_idx", "deterministic", "output_attentions"})
+"""Keyword arguments of the attention function that :func:`cp_attention` reads (sinks, softcap) or
+that carry nothing it needs (the positions and packing it takes from the entry's state). Any
+other tensor of attention's shape (3-D or more: an additive ``position_bias``, a DSA ``indices``)
+is refused; what the model's own ``**kwargs`` carry down (``num_items_in_batch``, the labels) is
+not attention's. The bind-time check (:mod:`.style`) refuses such keywords where the module's
+source names them."""
 
 
 def register() -> None:
@@ -154,6 +162,12 @@ def cp_attention(
         raise ShardingError(
             f"{where}: attention dropout {dropout} under context parallel would draw different masks per rank than "
             "one process; set the config's attention_dropout to 0 (or call model.eval())"
+        )
+    extra = sorted(k for k, v in kwargs.items() if k not in UNDERSTOOD and isinstance(v, torch.Tensor) and v.dim() >= 3)
+    if extra:
+        raise ShardingError(
+            f"{where}: passes {extra} to the attention function, which context parallel does not split (each rank "
+            "holds its rows of the queries and keys); train this family without cp"
         )
     sinks = kwargs.get("s_aux")
     if sinks is not None and tuple(sinks.shape) != (query.shape[1],):

@@ -23,7 +23,10 @@ part, so the gradient owner sums every gradient over cp (:func:`hp_lazy.runtime.
 
 from __future__ import annotations
 
+import ast
+import inspect
 import sys
+import textwrap
 from typing import Any
 
 from torch import nn
@@ -60,6 +63,9 @@ class ContextParallelStyle:
             (float(getattr(config, "attention_dropout", 0.0) or 0.0) > 0, "has attention dropout > 0 (set "
              "attention_dropout=0: ranks would draw different masks than one process)"),
         ]
+        passed = _attention_keywords(module) - attention.UNDERSTOOD - _SCALARS
+        refusals.append((bool(passed), f"passes {sorted(passed)} to the attention function, which context parallel "
+                         "does not split (a bias or key selection over each rank's local rows and keys)"))
         for refused, why in refusals:
             if refused:
                 raise ShardingError(
@@ -145,6 +151,22 @@ def _tower(root: nn.Module, fqn: str, config: Any) -> str:
         if getattr(root.get_submodule(".".join(parts[:cut])), "config", None) is config:
             return ".".join(parts[:cut])
     return fqn
+
+
+_SCALARS = frozenset({"dropout", "scaling", "sliding_window", "is_causal", "attention_mask", "query", "key", "value"})
+"""Attention-function keywords that are the call's own arguments (:func:`attention.cp_attention`'s)."""
+
+
+def _attention_keywords(module: nn.Module) -> set[str]:
+    """The keyword names the module's forward passes to ``attention_interface(...)`` (statically;
+    ``**kwargs`` is not counted: what it carries is checked per call)."""
+    code = inspect.unwrap(getattr(type(module), IMPL, type(module).forward))
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(code)))
+    except (OSError, TypeError, SyntaxError):
+        return set()
+    return {k.arg for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+            and node.func.id == "attention_interface" for k in node.keywords if k.arg is not None}
 
 
 def _calls_attention(module: nn.Module) -> bool:
