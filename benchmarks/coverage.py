@@ -396,25 +396,27 @@ def child_reference(family: str, workdir: str) -> None:
 
 def _chunking_floor(workdir: str, auto: str, mode: str, out: Any, loss: Any, grads: dict[str, Any],
                     modeling_name: str) -> dict[str, float]:
-    """For a model with a Gated DeltaNet layer (transformers' ``torch_chunk_gated_delta_rule``,
-    which computes in float32 whatever the dtype): how far one process is from itself when the
-    kernel runs in chunks of 2 instead of 64, per compared entry. Empty for every other model."""
-    import functools
-
+    """For a model with a chunked recurrent kernel (transformers' gated delta rule, KDA or Mamba2
+    scan, which compute in float32 whatever the dtype): how far one process is from itself when the
+    kernels run in chunks of 2, per compared entry. Empty for every other model."""
     import torch
     import transformers
 
     modeling = sys.modules[modeling_name]
-    rule = getattr(modeling, "torch_chunk_gated_delta_rule", None)
-    if rule is None:
+    names = [n for n in ("torch_chunk_gated_delta_rule", "chunk_kimi_delta_attention", "mamba2_chunk_scan")
+             if callable(getattr(modeling, n, None))]
+    if not names:
         return {}
-    modeling.torch_chunk_gated_delta_rule = functools.partial(rule, chunk_size=2)
+    kernels = {n: getattr(modeling, n) for n in names}
+    for n, fn in kernels.items():
+        setattr(modeling, n, lambda *a, _fn=fn, **k: _fn(*a, **{**k, "chunk_size": 2}))
     try:
         torch.manual_seed(0)
         model = getattr(transformers, auto).from_pretrained(workdir, dtype=_dtype(), **_load_options())
         other, other_loss = _step(model, mode)
     finally:
-        modeling.torch_chunk_gated_delta_rule = rule
+        for n, fn in kernels.items():
+            setattr(modeling, n, fn)
     floor = {"logits/hidden": rel_err(other, out), "loss": rel_err(other_loss, loss)}
     floor.update({f"grad {n}": rel_err(p.grad, grads[n]) for n, p in model.named_parameters() if p.grad is not None})
     return floor
@@ -613,7 +615,7 @@ def _compare(family: str, workdir: str) -> Row:
             share = f"{got['sharded']}/{got['total']} params sharded"
     if share.startswith("0/") and _cp() == 1:  # tp, or ep: some expert parameter must be cut
         return Row(family, "fail", f"parity holds but nothing was sharded ({share})")
-    if floored:  # the float32 Gated DeltaNet kernel: within twice one process's distance from itself
+    if floored:  # a float32 recurrent kernel: within twice one process's distance from itself
         return Row(family, "pass", f"{share}, max rel err {worst[0]:.1e}; above {TOL:g} only within twice one "
                    f"process's own chunking floor: {'; '.join(sorted(set(floored))[:3])}")
     return Row(family, "pass", f"{share}, max rel err {worst[0]:.1e}")

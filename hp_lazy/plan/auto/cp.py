@@ -30,8 +30,10 @@ def apply(draft: Draft, rules: list[Rule]) -> None:
             if layer in draft.facts.classes:
                 found.update((rule.base, rule.prefix, f"layers.*.{child}") for child in draft.facts.children(layer))
     for base, prefix, key in sorted(found):
-        names = draft.facts.resolve(base, key)
-        if prefix + key not in draft.entries and len(names) == 1 and draft.calls_attention(next(iter(names))):
+        # the attention class of the slot: a hybrid's slot holds a recurrent mixer in some layers
+        # (chosen at run time from a table or a conditional), which cp splits at bind (runtime/cp/recurrent)
+        attending = sorted(n for n in draft.facts.resolve(base, key) if draft.calls_attention(n))
+        if prefix + key not in draft.entries and len(attending) == 1:
             draft.add(prefix + key, Entry({"inner": dict(inner)}, f"{base} (cp attention)", "attention"))
             # the class the text stack's key reaches: a vision tower's layers.*.self_attn is another class
-            draft.classes[prefix + key] = next(iter(names))
+            draft.classes[prefix + key] = attending[0]

@@ -40,6 +40,8 @@ from hp_lazy.runtime.cp.entry import ContextEntry
 from hp_lazy.runtime.style import BindContext
 
 ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention"})
+TOKENWISE_LAYERS = frozenset({"mlp", "moe"})
+"""Layer kinds of models that list every block (Nemotron-H): feed-forward, mixing no tokens."""
 
 
 class ContextParallelStyle:
@@ -97,7 +99,7 @@ class ContextParallelStyle:
         mixers = [m for m in root.modules() if recurrent.supports(m)]
         split = {getattr(m, "layer_idx", None) for m in mixers}
         for i, kind in enumerate(getattr(config, "layer_types", None) or ()):
-            if kind not in ATTENTION_LAYERS and i not in split:
+            if kind not in ATTENTION_LAYERS | TOKENWISE_LAYERS and i not in split:
                 raise ShardingError(
                     f"{family}: layer {i} is a {kind!r} layer, which mixes tokens along the sequence outside "
                     f"attention; context parallel splits only {sorted(ATTENTION_LAYERS)} layers and recurrent "
