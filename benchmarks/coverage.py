@@ -135,6 +135,7 @@ SHRINK: dict[str, Any] = dict(
     num_kv_shared_layers=0, attention_chunk_size=8,
     n_group=2, num_expert_group=2, topk_group=1,  # group-limited routing: 2 groups of the 4 experts, top-1 group
     moe_hidden_size=32, first_k_dense_replace=1,  # layer 0 dense, layer 1 MoE (defaults of 2-3 leave no MoE layer)
+    attention_dropout=0.0,  # a default above 0 (Seed-OSS) draws random masks: no run, one process or not, repeats
 )
 _INDEX_LIST = re.compile(r"(idx|indices|index|layers|_ids)$")
 

@@ -66,6 +66,9 @@ class ContextParallelStyle:
              "attention_dropout=0: ranks would draw different masks than one process)"),
         ]
         passed = _attention_keywords(module) - attention.UNDERSTOOD - _SCALARS
+        own = _own_mask(module)
+        refusals.append((own is not None, f"builds its own attention mask ({own}) rather than passing the model's, "
+                         "which context parallel builds over the whole sequence"))
         refusals.append((bool(passed), f"passes {sorted(passed)} to the attention function, which context parallel "
                          "does not split (a bias or key selection over each rank's local rows and keys)"))
         for refused, why in refusals:
@@ -159,16 +162,34 @@ _SCALARS = frozenset({"dropout", "scaling", "sliding_window", "is_causal", "atte
 """Attention-function keywords that are the call's own arguments (:func:`attention.cp_attention`'s)."""
 
 
-def _attention_keywords(module: nn.Module) -> set[str]:
-    """The keyword names the module's forward passes to ``attention_interface(...)`` (statically;
-    ``**kwargs`` is not counted: what it carries is checked per call)."""
+def _attention_calls(module: nn.Module) -> list[ast.Call]:
+    """The module's forward's ``attention_interface(...)`` calls, statically (none where its source
+    cannot be read: the per-call checks of :func:`attention.cp_attention` still hold)."""
     code = inspect.unwrap(getattr(type(module), IMPL, type(module).forward))
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(code)))
     except (OSError, TypeError, SyntaxError):
-        return set()
-    return {k.arg for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-            and node.func.id == "attention_interface" for k in node.keywords if k.arg is not None}
+        return []
+    return [node for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+            and node.func.id == "attention_interface"]
+
+
+def _attention_keywords(module: nn.Module) -> set[str]:
+    """The keyword names the forward passes to the attention function (``**kwargs`` not counted:
+    what it carries is checked per call)."""
+    return {k.arg for call in _attention_calls(module) for k in call.keywords if k.arg is not None}
+
+
+def _own_mask(module: nn.Module) -> str | None:
+    """The expression the forward passes as the attention mask where it is not the forward's own
+    ``attention_mask`` argument (a mask the module builds itself, Doge's dynamic mask), else None."""
+    for call in _attention_calls(module):
+        given = [k.value for k in call.keywords if k.arg == "attention_mask"] + call.args[4:5]
+        for mask in given:
+            if not (isinstance(mask, ast.Name) and mask.id == "attention_mask") and not (
+                    isinstance(mask, ast.Constant) and mask.value is None):
+                return ast.unparse(mask)
+    return None
 
 
 def _calls_attention(module: nn.Module) -> bool:
