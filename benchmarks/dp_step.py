@@ -175,6 +175,13 @@ def _worker(rank: int, args: argparse.Namespace, path: str, port: int, queue: An
         params = sum(p.numel() for p in models["local"].parameters())
         queue.put({"rounds": rounds, "comm": comm, "buckets": owner.all_reduces_per_step, "params": params,
                    "agreement": agreement})
+    # an orderly end: DDP's reducer and the process group torn down before the interpreter exits
+    # (left to exit, a rank aborted now and then: "terminate called without an active exception")
+    import torch.distributed as dist
+
+    dist.barrier()
+    del models
+    dist.destroy_process_group()
 
 
 def _table(result: dict[str, Any], args: argparse.Namespace) -> str:
