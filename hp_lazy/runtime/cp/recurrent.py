@@ -128,9 +128,9 @@ def _conv(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
             raise _refuse(f"{CONV} with a cache or document ids (seq_idx / cu_seqlens)",
                           "the convolution's halo crosses ranks")
         halo = conv1d.kernel_size[0] - 1
-        pieces = _chunks(state, hidden_states, 2)  # [B, D, c] each
         if halo == 0:
             return fn(conv1d, hidden_states, None, layer_idx, *args, **kwargs)
+        pieces = _chunks(state, hidden_states, 2)  # [B, D, c] each
         c = pieces[0].shape[-1]
         keep = min(halo, c)
         tails = gather_to(torch.stack([p[..., c - keep :] for p in pieces]), state.group, 0)  # [2C, B, D, keep]

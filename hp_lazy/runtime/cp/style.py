@@ -65,8 +65,9 @@ class ContextParallelStyle:
             (float(getattr(config, "attention_dropout", 0.0) or 0.0) > 0, "has attention dropout > 0 (set "
              "attention_dropout=0: ranks would draw different masks than one process)"),
         ]
-        passed = _attention_keywords(module) - attention.UNDERSTOOD - _SCALARS
-        own = _own_mask(module)
+        calls = _attention_calls(module)  # the forward's source, read once per module
+        passed = {k.arg for call in calls for k in call.keywords if k.arg is not None} - attention.UNDERSTOOD - _SCALARS
+        own = _own_mask(calls)
         refusals.append((own is not None, f"builds its own attention mask ({own}) rather than passing the model's, "
                          "which context parallel builds over the whole sequence"))
         refusals.append((bool(passed), f"passes {sorted(passed)} to the attention function, which context parallel "
@@ -174,16 +175,10 @@ def _attention_calls(module: nn.Module) -> list[ast.Call]:
             and node.func.id == "attention_interface"]
 
 
-def _attention_keywords(module: nn.Module) -> set[str]:
-    """The keyword names the forward passes to the attention function (``**kwargs`` not counted:
-    what it carries is checked per call)."""
-    return {k.arg for call in _attention_calls(module) for k in call.keywords if k.arg is not None}
-
-
-def _own_mask(module: nn.Module) -> str | None:
+def _own_mask(calls: list[ast.Call]) -> str | None:
     """The expression the forward passes as the attention mask where it is not the forward's own
     ``attention_mask`` argument (a mask the module builds itself, Doge's dynamic mask), else None."""
-    for call in _attention_calls(module):
+    for call in calls:
         given = [k.value for k in call.keywords if k.arg == "attention_mask"] + call.args[4:5]
         for mask in given:
             if not (isinstance(mask, ast.Name) and mask.id == "attention_mask") and not (
