@@ -162,6 +162,16 @@ def train_broken(rank: int, world: int, path: str, data: dict[str, Any], how: st
 
         patch(entry.ContextEntry, "_split", local_count)
         patch(entry, "reduce_from", lambda x, g: reduce_from(x, g) / g.size)
+    elif how == "indexer keys in rank order":  # DSA: the top-k then indexes (and breaks ties over) other keys
+        from hp_lazy.runtime.cp import indexed
+
+        gather = indexed._GatheredKeys.update_indexer
+        patch(indexed._GatheredKeys, "update_indexer",
+              lambda self, k, i: gather(self, k, i).index_select(1, self.state.zig.gathered))
+    elif how in ("temperature of the local rows", "chunks ignored"):  # Llama 4 as its code runs on local rows
+        from hp_lazy.runtime.cp import positions
+
+        patch(positions, "query_rescale" if how.startswith("temperature") else "chunk_of", lambda *a: None)
     try:
         return train(rank, world, path, data)
     finally:

@@ -26,6 +26,11 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
 
 MOE = ("qwen3_moe",)
 
+_DSA = {"q_lora_rank": 16, "kv_lora_rank": 8, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4, "v_head_dim": 8,
+        "head_dim": 4, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
+        "moe_intermediate_size": 16, "n_group": 1, "topk_group": 1, "index_topk": 4, "index_n_heads": 2,
+        "index_head_dim": 8}
+
 MORE_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     # layer 0 a sliding-window layer (window 6), layer 1 full attention; q/k norms; GQA
     "qwen3_sliding": ("Qwen3Config", {"head_dim": 8, "num_key_value_heads": 2, "use_sliding_window": True,
@@ -76,7 +81,28 @@ MORE_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "gemma2": ("Gemma2Config", {"head_dim": 8, "attn_logit_softcapping": 0.1}),
     "mistral_large4_text": ("MistralLarge4TextConfig", {  # transformers 5.25: DSA (a top-k indexer), MLA
         "kv_lora_rank": 8, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4, "v_head_dim": 8, "q_lora_rank": None,
-        "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}),
+        "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "index_topk": 4,
+        "index_n_heads": 2, "index_head_dim": 8}),
+    # what context parallel refuses by layer: Doge builds its own (dynamic) mask; DeepSeek-V4 attends
+    # to K/V compressed over the whole sequence
+    "doge": ("DogeConfig", {"num_key_value_heads": 2}),
+    "deepseek_v4": ("DeepseekV4Config", {"moe_intermediate_size": 16, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                                         "q_lora_rank": 16, "qk_rope_head_dim": 8, "head_dim": 8,
+                                         "num_key_value_heads": 2, "sliding_window": 8,
+                                         "layer_types": ["heavily_compressed_attention", "compressed_sparse_attention"],
+                                         "mlp_layer_types": ["hash_moe", "moe"]}),
+    # Llama 4: layer 0 chunked attention (chunks of 8 tokens) with RoPE, layer 1 full attention without RoPE
+    # whose queries are temperature-tuned by their row's index (floor_scale 2, so the factor varies at 16
+    # tokens; the default 8,192 leaves it 1 below 8k tokens); a routed expert and a shared one
+    "llama4": ("Llama4TextConfig", {"head_dim": 8, "num_key_value_heads": 2, "intermediate_size_mlp": 64,
+                                    "num_local_experts": 4, "num_experts_per_tok": 1, "attention_chunk_size": 8,
+                                    "floor_scale": 2, "layer_types": ["chunked_attention", "full_attention"],
+                                    "no_rope_layers": [1, 0]}),
+    # DeepSeek Sparse Attention: MLA whose queries attend to the top 4 of the 16 keys an indexer (2 heads
+    # of 8) scores highest; GLM-MoE-DSA: layer 1 reuses layer 0's top-k (indexer_types "shared")
+    "deepseek_v32": ("DeepseekV32Config", {**_DSA, "first_k_dense_replace": 1}),
+    "glm_moe_dsa": ("GlmMoeDsaConfig", {**_DSA, "num_hidden_layers": 3, "indexer_types": ["full", "shared", "full"],
+                                        "first_k_dense_replace": 1}),
     "gpt_oss": ("GptOssConfig", {"head_dim": 8, "num_local_experts": 4, "num_experts_per_tok": 2,
                                  "intermediate_size": 16, "sliding_window": 6,
                                  "rope_parameters": {"rope_type": "yarn", "factor": 2.0, "beta_fast": 32.0,

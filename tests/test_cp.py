@@ -24,7 +24,10 @@ CASES = [("llama_gqa", "plain"), ("qwen3", "plain"), ("llama_bias", "plain"), ("
          ("llama_gqa", "padded"), ("llama_gqa", "left_padded"), ("qwen3_moe", "plain"),
          ("phi3", "plain"), ("deepseek_v2", "plain"), ("minicpm3", "packed"),  # MLA (DeepSeek-V2: complex RoPE)
          ("gpt_oss", "plain"), ("gpt_oss", "packed"), ("gpt_oss", "padded"),  # attention sinks, sliding + full
-         ("gemma2", "plain"), ("gemma2", "padded")]  # logit softcapping
+         ("gemma2", "plain"), ("gemma2", "padded"),  # logit softcapping
+         ("deepseek_v32", "plain"), ("deepseek_v32", "packed"), ("deepseek_v32", "padded"),  # DSA: top-4 of 16 keys
+         ("glm_moe_dsa", "plain"),  # DSA: a layer reusing the top-k of the one before
+         ("llama4", "plain"), ("llama4", "packed"), ("llama4", "left_padded")]  # chunked attention, temperature
 
 
 @pytest.mark.parametrize(("name", "kind"), CASES)
@@ -34,10 +37,15 @@ def test_cp_matches_one_process(ready, name: str, kind: str) -> None:
     cpwork.check(pool, path, cpwork.batch(kind))  # the global loss and, gathered, the whole logits on every rank
 
 
-@pytest.mark.parametrize("how", ["local positions", "upper-left causal", "mean of means"])
+NAIVE = {"local positions": "llama_gqa", "upper-left causal": "llama_gqa", "mean of means": "llama_gqa",
+         "indexer keys in rank order": "deepseek_v32", "temperature of the local rows": "llama4",
+         "chunks ignored": "llama4"}
+
+
+@pytest.mark.parametrize("how", sorted(NAIVE))
 def test_naive_context_parallel_fails_parity(ready, how: str) -> None:
     pool, root = ready
-    path = models.build("llama_gqa", root)
+    path = models.build(NAIVE[how], root)
     data = cpwork.batch("plain")
     ref = cpwork.reference(path, data)
     results = pool.run(cpwork.train_broken, path, data, how)
@@ -89,8 +97,11 @@ REFUSED = [
 
 
 UNSPLITTABLE = [
-    ("mistral_large4_text", "MistralLarge4TextModel", "layers.0.self_attn",
-     "selects its keys with a DSA indexer (top-k over the whole sequence's keys, or the top-k of an earlier layer)"),
+    ("doge", "DogeForCausalLM", "model.layers.0.self_attn",
+     "builds its own attention mask (attn_mask) rather than passing the model's, which context parallel builds over "
+     "the whole sequence"),
+    ("deepseek_v4", "DeepseekV4ForCausalLM", "model.layers.0.self_attn",
+     "attends to K/V compressed over the whole sequence (a compressor, DeepSeek-V4's CSA/HCA)"),
 ]
 
 
@@ -123,9 +134,9 @@ def test_attention_cp_cannot_split_is_refused_by_layer(ready, name: str, family:
                    f"sequence: it {why}; train this family without cp"] * 2
 
 
-def test_attention_arguments_cp_does_not_split_are_refused() -> None:
-    """Inkling passes an additive position_bias built from each rank's local rows and keys: never dropped
-    silently (it was), refused naming the argument."""
+def _attention_refusal(query_rows: int, key_rows: int, **kwargs) -> str:
+    """What cp_attention raises for a call on rank 0 of cp=2 over 16 tokens (nothing is exchanged
+    before the checks)."""
     import torch
 
     from hp_lazy.errors import ShardingError
@@ -133,18 +144,39 @@ def test_attention_arguments_cp_does_not_split_are_refused() -> None:
     from hp_lazy.runtime.cp.zigzag import zigzag
     from hp_lazy.runtime.mesh import Group
 
-    call = state.CallState(group=Group.solo("cp"), zig=zigzag(8, 1, 0, torch.device("cpu")), mode="cp_allgather_kv",
-                           positions=torch.arange(8)[None], docs=None, key_padding=None)
-    q = torch.zeros(1, 2, 8, 4)
+    call = state.CallState(group=Group.solo("cp"), zig=zigzag(16, 2, 0, torch.device("cpu")), mode="cp_allgather_kv",
+                           positions=torch.arange(16)[None], docs=None, key_padding=None)
+    q, k = torch.zeros(1, 2, query_rows, 4), torch.zeros(1, 2, key_rows, 4)
     token = state.enter(call)
     try:
         with pytest.raises(ShardingError) as caught:
-            attention.cp_attention(torch.nn.Module(), q, q, q, None, position_bias=torch.zeros(1, 2, 8, 8))
+            attention.cp_attention(torch.nn.Module(), q, k, k, None, **kwargs)
     finally:
         state.leave(token)
-    assert str(caught.value) == ("Module: passes ['position_bias'] to the attention function, which context parallel "
-                                 "does not split (each rank holds its rows of the queries and keys); train this family "
-                                 "without cp")
+    return str(caught.value)
+
+
+def test_attention_arguments_cp_does_not_split_are_refused() -> None:
+    """Inkling passes an additive position_bias built from each rank's local rows and keys: never dropped
+    silently (it was), refused naming the argument."""
+    import torch
+
+    got = _attention_refusal(8, 8, position_bias=torch.zeros(1, 2, 8, 8))
+    assert got == ("Module: passes ['position_bias'] to the attention function, which context parallel does not split "
+                   "(each rank holds its rows of the queries and keys); train this family without cp")
+
+
+def test_keys_from_outside_the_split_sequence_are_refused() -> None:
+    """DiffusionGemma's decoder joins a cached prefix to its keys: neither this rank's rows nor the
+    whole sequence (it failed in autograd with a shape error)."""
+    import torch
+
+    got = _attention_refusal(8, 12)
+    assert got == ("Module: attends to 12 keys, neither this rank's 8 rows nor the whole sequence's 16 (keys from "
+                   "outside the split sequence, e.g. a cached prefix joined to this call's); context parallel splits "
+                   "only attention over the model's own sequence; train this family without cp")
+    # the whole sequence's keys (MLA's, expanded from the gathered latent) pass this check to the next
+    assert _attention_refusal(8, 16, position_bias=torch.zeros(1, 2, 8, 8)).startswith("Module: passes")
 
 
 def test_recurrent_layers_cp_cannot_split_are_refused_by_layer(ready) -> None:
@@ -152,8 +184,8 @@ def test_recurrent_layers_cp_cannot_split_are_refused_by_layer(ready) -> None:
     pool, root = ready
     got = pool.run(cpwork.error, models.build("jamba", root), {"input_ids": models.batch()})
     assert got == ["ShardingError: JambaForCausalLM: layer 0 is a 'linear_attention' layer, which mixes tokens along "
-                   "the sequence outside attention; context parallel splits only ['full_attention', "
-                   "'sliding_attention'] layers and recurrent layers on transformers' Gated DeltaNet, KDA, Mamba2 and "
+                   "the sequence outside attention; context parallel splits only ['chunked_attention', "
+                   "'full_attention', 'sliding_attention'] layers and recurrent layers on transformers' Gated DeltaNet, KDA, Mamba2 and "
                    "short-convolution kernels; train without cp"] * 2
 
 

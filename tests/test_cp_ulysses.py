@@ -27,7 +27,8 @@ def root(tmp_path_factory) -> str:
 @pytest.mark.parametrize(("name", "kind"), [("llama_gqa", "plain"), ("qwen3", "plain"), ("qwen3_sliding", "packed"),
                                             ("llama_gqa", "padded"), ("llama_dynamic", "plain"),
                                             ("deepseek_v2", "plain"), ("minicpm3", "plain"),  # MLA (MiniCPM3: V wider than K)
-                                            ("gpt_oss", "packed"), ("gemma2", "padded")])  # sinks of this rank's heads; softcap
+                                            ("gpt_oss", "packed"), ("gemma2", "padded"),  # sinks of this rank's heads; softcap
+                                            ("llama4", "left_padded")])  # chunks from the first token; temperature
 def test_ulysses_cp2(pool2: DistPool, root: str, name: str, kind: str) -> None:
     cpwork.check(_ready(pool2, 2), models.build(name, root), cpwork.batch(kind))
 
@@ -49,3 +50,13 @@ def test_heads_ulysses_cannot_split_are_refused(pool4: DistPool, root: str) -> N
     got = _ready(pool4, 4).run(cpwork.error, models.build("llama_2heads", root), cpwork.batch("plain"))
     assert got == ["ShardingError: LlamaAttention: cp_mode='ulysses' splits this rank's 2 attention heads over cp=4, "
                    "which does not divide them; use cp_mode='allgather', or a cp (x tp) that divides the heads"] * 4
+
+
+def test_dsa_under_ulysses_is_refused_by_layer(pool2: DistPool, root: str) -> None:
+    """DSA's selection is over each row's whole sequence of keys: the all-gather mode splits it, Ulysses
+    (whole rows of some heads) would need every rank's rows of it; refused at load, naming the fix."""
+    got = _ready(pool2, 2).run(cpwork.error, models.build("deepseek_v32", root), cpwork.batch("plain"))
+    assert got == ["ShardingError: model.layers.0.self_attn (DeepseekV32ForCausalLM): context parallel cannot split "
+                   "this attention over the sequence: it selects its keys with a DSA indexer, which context parallel "
+                   "splits with cp_mode='allgather' only (Ulysses would need every rank's whole rows of the "
+                   "selection); use cp_mode='allgather'; train this family without cp"] * 2

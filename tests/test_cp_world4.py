@@ -27,13 +27,15 @@ def root(tmp_path_factory) -> str:
 @pytest.mark.parametrize(("name", "kind"), [("llama_gqa", "plain"), ("qwen3", "plain"), ("llama_bias", "plain"),
                                             ("qwen3_sliding", "packed"), ("llama_gqa", "padded"), ("phi3", "plain"),
                                             ("deepseek_v2", "plain"),  # MLA: latent heads cut on tp
-                                            ("gpt_oss", "packed"), ("gemma2", "plain")])  # sinks cut with their heads; softcap
+                                            ("gpt_oss", "packed"), ("gemma2", "plain"),  # sinks cut with their heads; softcap
+                                            ("deepseek_v32", "padded")])  # DSA: the indexer whole on each tp rank
 def test_cp2_tp2(cp2tp2: DistPool, root: str, name: str, kind: str) -> None:
     cpwork.check(_ready(cp2tp2, 2, 2), models.build(name, root), cpwork.batch(kind))
 
 
 @pytest.mark.parametrize(("name", "kind"), [("llama_gqa", "plain"), ("qwen3_sliding", "packed"), ("llama_dynamic", "plain"),
-                                            ("gpt_oss", "packed"), ("gemma2", "padded")])
+                                            ("gpt_oss", "packed"), ("gemma2", "padded"), ("deepseek_v32", "packed"),
+                                            ("glm_moe_dsa", "padded"), ("llama4", "packed")])
 def test_cp4(cp4: DistPool, root: str, name: str, kind: str) -> None:
     cpwork.check(_ready(cp4, 4, 1), models.build(name, root), cpwork.batch(kind))
 

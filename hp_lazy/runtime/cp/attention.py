@@ -9,7 +9,9 @@ positions — as skipped, unmasked, the kernel's own causal diagonal, or masked 
 tile; the calls are merged by log-sum-exp. One algorithm on every device (the CPU fused kernel,
 plain tensor ops elsewhere); no tensor of ``S/C x S`` elements exists in forward or backward.
 Attention sinks (``s_aux``) join the merge as one more key; logit softcapping (``softcap``) runs
-in the plain-ops kernel, which applies it to each tile's scores.
+in the plain-ops kernel, which applies it to each tile's scores; DSA's top-k selection
+(``indices`` and the rows' mask :mod:`~hp_lazy.runtime.cp.indexed` hands the module) masks every
+tile it covers.
 
 Memory: the gathered K/V are not kept for backward; only the local Q, K, V, output and
 log-sum-exp are saved, and backward gathers K/V again, runs each call's kernel backward with the
@@ -32,6 +34,7 @@ then returns ``None`` and builds no (wrong, local) mask, and the modeling code's
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 from collections.abc import Callable
@@ -42,7 +45,7 @@ from torch import nn
 
 from hp_lazy.errors import ShardingError
 from hp_lazy.runtime.comm import all_to_all, wire
-from hp_lazy.runtime.cp import blocks
+from hp_lazy.runtime.cp import blocks, indexed, positions
 from hp_lazy.runtime.cp.state import CallState, current
 from hp_lazy.runtime.cp.zigzag import Zigzag
 from hp_lazy.runtime.mesh import Group
@@ -153,7 +156,8 @@ def cp_attention(
             f"{where}: context-parallel attention ran outside a context-parallel forward of the bound model (a "
             "layer called on its own?); call the top-level model, whose forward splits the sequence"
         )
-    if attention_mask is not None:
+    selects = bool(getattr(module, indexed.FLAG, False))  # DSA: the mask and top-k indices its wrapper set up
+    if attention_mask is not None and not selects:
         raise ShardingError(
             f"{where}: got a {attention_mask.dim()}-D attention mask inside a context-parallel forward; pass a 2-D "
             "padding mask (or none) to the top-level model, which builds the masks over the whole sequence"
@@ -163,7 +167,8 @@ def cp_attention(
             f"{where}: attention dropout {dropout} under context parallel would draw different masks per rank than "
             "one process; set the config's attention_dropout to 0 (or call model.eval())"
         )
-    extra = sorted(k for k, v in kwargs.items() if k not in UNDERSTOOD and isinstance(v, torch.Tensor) and v.dim() >= 3)
+    understood = UNDERSTOOD | {"indices"} if selects else UNDERSTOOD
+    extra = sorted(k for k, v in kwargs.items() if k not in understood and isinstance(v, torch.Tensor) and v.dim() >= 3)
     if extra:
         raise ShardingError(
             f"{where}: passes {extra} to the attention function, which context parallel does not split (each rank "
@@ -175,8 +180,30 @@ def cp_attention(
             f"{where}: attention sinks (s_aux) of shape {tuple(sinks.shape)} under context parallel; expected one per "
             f"query head of this rank, ({query.shape[1]},)"
         )
+    if key.shape[2] not in (query.shape[2], state.zig.seq):
+        raise ShardingError(
+            f"{where}: attends to {key.shape[2]} keys, neither this rank's {query.shape[2]} rows nor the whole "
+            f"sequence's {state.zig.seq} (keys from outside the split sequence, e.g. a cached prefix joined to this "
+            "call's); context parallel splits only attention over the model's own sequence; train this family "
+            "without cp"
+        )
     causal = bool(getattr(module, "is_causal", True)) if is_causal is None else bool(is_causal)
-    vis, scale = state.visibility(causal, sliding_window), blocks.default_scale(query, scaling)
+    vis = state.visibility(causal, sliding_window, positions.chunk_of(module))
+    scale = blocks.default_scale(query, scaling)
+    rescale = positions.query_rescale(module, state.zig)  # Llama 4's temperature, from the global rows
+    if rescale is not None:
+        query = query * rescale.to(query.dtype).view(1, 1, -1, 1)
+    if selects:
+        rows, seq = query.shape[2], state.zig.seq
+        if attention_mask is None or attention_mask.dtype != torch.bool or attention_mask.dim() != 4 \
+                or tuple(attention_mask.shape[1:]) != (1, rows, seq) or state.mode == "cp_ulysses":
+            got = None if attention_mask is None else (attention_mask.dtype, tuple(attention_mask.shape))
+            raise ShardingError(
+                f"{where}: DSA attention under context parallel expects the [B, 1, {rows}, {seq}] bool mask of its "
+                f"rows over the whole sequence (with cp_mode='allgather'), got {got} ({state.mode}); a wrapper of "
+                "this module changed its mask"
+            )
+        vis = dataclasses.replace(vis, rows=indexed.selected(attention_mask, kwargs.get("indices")))
     kernel = blocks.kernel_for(query, key, value, kwargs.get("softcap"))
     if state.mode == "cp_ulysses":
         return _ulysses(where, query, key, value, state, vis, kernel, scale, sinks), None

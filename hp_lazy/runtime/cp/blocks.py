@@ -51,22 +51,37 @@ Kind = Literal["full", "causal", "masked"]
 class Visibility:
     """Which keys a query may attend to, transformers' attention-function semantics: ``k <= q``
     (causal), ``|q - k| < window`` (one-sided when causal), the same packed document, and a key
-    that is not padding. ``docs`` and ``key_padding`` are ``[B, S]`` over the whole sequence."""
+    that is not padding. ``docs`` and ``key_padding`` are ``[B, S]`` over the whole sequence.
+    ``rows`` (DSA's selection, :mod:`.indexed`): ``[B, 1, n, S]`` over the local query rows and
+    the whole sequence's keys, one more condition; every tile it covers is masked. ``chunk``:
+    chunked attention's chunk size, whose chunks ``docs`` then also separates (it keys the plans)."""
 
     causal: bool
     window: int | None
     docs: torch.Tensor | None
     key_padding: torch.Tensor | None
+    rows: torch.Tensor | None = None
+    chunk: int | None = None
 
     @property
     def plain(self) -> bool:
-        return self.window is None and self.docs is None and self.key_padding is None
+        return self.window is None and self.docs is None and self.key_padding is None and self.rows is None
 
-    def mask(self, q0: int, q1: int, k0: int, k1: int, device: torch.device) -> torch.Tensor:
-        """``[B or 1, 1, q1 - q0, k1 - k0]`` bool over global positions (one tile)."""
-        q = torch.arange(q0, q1, device=device)[:, None]
-        k = torch.arange(k0, k1, device=device)[None, :]
-        mask = torch.ones(q1 - q0, k1 - k0, dtype=torch.bool, device=device)
+    def mask(
+        self, q0: int, q1: int, k0: int, k1: int, device: torch.device, local: tuple[int, int] | None = None
+    ) -> torch.Tensor:
+        """``[B or 1, 1, q1 - q0, k1 - k0]`` bool over global positions (one tile); ``local``: the
+        tile's local query rows (where :attr:`rows` is set)."""
+        out = self.mask_at(torch.arange(q0, q1, device=device), torch.arange(k0, k1, device=device))
+        if self.rows is not None:
+            assert local is not None, "a tile of a visibility with rows needs its local rows"
+            out = out & self.rows[:, :, local[0] : local[1], k0:k1]
+        return out
+
+    def mask_at(self, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """``[B or 1, 1, n, m]`` bool for the query and key global positions given (``[n]``, ``[m]``)."""
+        q, k = queries[:, None], keys[None, :]
+        mask = torch.ones(q.shape[0], k.shape[1], dtype=torch.bool, device=queries.device)
         if self.causal:
             mask &= k <= q
         if self.window is not None:
@@ -75,9 +90,9 @@ class Visibility:
                 mask &= k < q + self.window
         out = mask[None, None]
         if self.docs is not None:
-            out = out & (self.docs[:, q0:q1, None] == self.docs[:, None, k0:k1])[:, None]
+            out = out & (self.docs[:, queries, None] == self.docs[:, None, keys])[:, None]
         if self.key_padding is not None:
-            out = out & self.key_padding[:, None, None, k0:k1]
+            out = out & self.key_padding[:, None, None, keys]
         return out
 
 
@@ -125,6 +140,8 @@ def plan(
             for k0 in range(0, seq, tile):
                 k1 = min(seq, k0 + tile)
                 kind = _classify(vis, span, (k0, k1), tile, docs, pad)
+                if vis.rows is not None and kind != "empty":  # a selection within the tile: masked
+                    kind = "masked"
                 if kind == "full":
                     if run is not None and max_keys is not None and k1 - run > max_keys:
                         calls.append(Call(rows, (run, k0), "full", span))
@@ -360,7 +377,7 @@ def _operands(
     k, v = keys[:, :, k0:k1], values[:, :, k0:k1]
     if call.kind == "full":
         return _grouped(rows.contiguous(), kv), k.contiguous(), v.contiguous(), None
-    mask = vis.mask(call.span[0], call.span[1], k0, k1, q.device) if call.kind == "masked" else None
+    mask = vis.mask(call.span[0], call.span[1], k0, k1, q.device, call.rows) if call.kind == "masked" else None
     return rows.contiguous(), _expand(k, groups).contiguous(), _expand(v, groups).contiguous(), mask
 
 

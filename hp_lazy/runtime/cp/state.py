@@ -44,13 +44,27 @@ class CallState:
     the first attention call. Families that build their masks without the position ids (gpt-oss,
     AFMoE, ...) let packed documents see each other in one process, and so here."""
 
-    def visibility(self, causal: bool, window: int | None) -> Visibility:
-        """Which keys a query may attend to, for an attention layer of this (causal, window) kind."""
-        return Visibility(causal, window, self.docs if self.model_separates else None, self.key_padding)
+    def visibility(self, causal: bool, window: int | None, chunk: int | None = None) -> Visibility:
+        """Which keys a query may attend to, for an attention layer of this (causal, window, chunk) kind."""
+        docs = self.docs if self.model_separates else None
+        if chunk is not None:
+            docs = self._chunks(chunk, docs)
+        return Visibility(causal, window, docs, self.key_padding, chunk=chunk)
+
+    def _chunks(self, chunk: int, docs: torch.Tensor | None) -> torch.Tensor:
+        """``[B, S]`` ids of (document, chunk) pairs for chunked attention: transformers counts the
+        chunks from the first non-padding token, over the position ids where it separates packed
+        documents (:mod:`.positions`); non-decreasing along each row, as documents are."""
+        batch, seq = self.positions.shape
+        index = self.positions if docs is not None else torch.arange(seq, device=self.positions.device)
+        index = index.expand(batch, seq)
+        pad = 0 if self.key_padding is None else (self.key_padding.cumsum(-1) == 0).sum(-1, keepdim=True)
+        ids = torch.div(index - pad, chunk, rounding_mode="floor")
+        return ids if docs is None else docs * (2 * seq + 1) + ids + seq
 
     def plan(self, vis: Visibility, runs: list[tuple[int, int, int]], max_keys: int | None) -> Plan:
         """The blockwise calls for query ``runs`` (``(local start, global start, length)``) under ``vis``."""
-        key = (vis.causal, vis.window, tuple(runs), max_keys)
+        key = (vis.causal, vis.window, vis.chunk, tuple(runs), max_keys, vis.rows is not None)
         if key not in self.plans:
             tile = tile_for(runs[0][2])
             self.plans[key] = (vis, plan(runs, self.zig.seq, vis, tile, max_keys))

@@ -4,8 +4,9 @@ Bound per model (the walker calls it like every style, :mod:`hp_lazy.runtime.sty
 
 - ``validate``: each boundary whose contract carries the inner op ``cp_allgather_kv`` is an
   attention module that calls transformers' attention interface; what that attention cannot do
-  split over the sequence is refused here (K/V compressed or selected over the whole sequence,
-  dropout); attention sinks and logit softcapping run in the blockwise attention;
+  split over the sequence is refused here (K/V compressed over the whole sequence, a mask of its
+  own, dropout); attention sinks and logit softcapping run in the blockwise attention, DSA's
+  top-k selection through :mod:`.indexed`;
 - ``finish``: the model's layer types must all be attention (full or sliding) or recurrent layers
   :mod:`.recurrent` splits (Gated DeltaNet, KDA, Mamba2, short convolutions: state passed between
   ranks; others, Mamba1 or lightning attention, mix tokens outside attention and are refused),
@@ -14,7 +15,8 @@ Bound per model (the walker calls it like every style, :mod:`hp_lazy.runtime.sty
   :data:`~hp_lazy.runtime.cp.attention.KEY` (a tower with a config of its own — a vision or
   audio encoder — keeps its own and runs whole; the entry refuses its inputs), RoPE
   modules compute on the global positions (:mod:`.rope`), MLA modules gather their compressed
-  latent instead of K/V (:mod:`.latent`), and the bound root gets the
+  latent instead of K/V (:mod:`.latent`), DSA modules and their indexers see the whole sequence's
+  indexer keys and their rows' mask over it (:mod:`.indexed`), and the bound root gets the
   :class:`~hp_lazy.runtime.cp.entry.ContextEntry` that splits each call's batch.
 
 Gradients: every parameter is replicated over cp and each rank's backward gives its own tokens'
@@ -35,11 +37,11 @@ from hp_lazy.errors import ShardingError
 from hp_lazy.names import CP_ENTRY, IMPL
 from hp_lazy.plan.model import Contract
 from hp_lazy.runtime.binding import Binding
-from hp_lazy.runtime.cp import attention, latent, recurrent, rope
+from hp_lazy.runtime.cp import attention, indexed, latent, positions, recurrent, rope
 from hp_lazy.runtime.cp.entry import ContextEntry
 from hp_lazy.runtime.style import BindContext
 
-ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention"})
+ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention", positions.CHUNKED})
 TOKENWISE_LAYERS = frozenset({"mlp", "moe"})
 """Layer kinds of models that list every block (Nemotron-H): feed-forward, mixing no tokens."""
 
@@ -51,27 +53,35 @@ class ContextParallelStyle:
         self.attention: dict[int, str] = {}
         self.kinds: set[str] = set()
         self.latent: list[nn.Module] = []
+        self.indexed: list[nn.Module] = []
 
     def validate(self, fqn: str, module: nn.Module, contract: Contract, ctx: BindContext) -> None:
         if contract.inner is None or not contract.inner.kind.startswith("cp_"):
             return
         family = type(ctx.root).__qualname__
         config = getattr(module, "config", None)
+        dsa = indexed.is_indexed(module)
+        dsa_refused = indexed.unsupported(module, contract.inner.kind) if dsa else None
         refusals = [
             (getattr(module, "compressor", None) is not None, "attends to K/V compressed over the whole sequence "
              "(a compressor, DeepSeek-V4's CSA/HCA)"),
-            (hasattr(module, "indexer"), "selects its keys with a DSA indexer (top-k over the whole sequence's keys, "
-             "or the top-k of an earlier layer)"),
+            (dsa_refused is not None, dsa_refused or ""),
             (float(getattr(config, "attention_dropout", 0.0) or 0.0) > 0, "has attention dropout > 0 (set "
              "attention_dropout=0: ranks would draw different masks than one process)"),
         ]
-        calls = _attention_calls(module)  # the forward's source, read once per module
+        tree = _forward_tree(module)  # the forward's source, read once per module
+        calls = _attention_calls(tree)
+        reads = positions.local_positions(tree) if tree is not None else None
         passed = {k.arg for call in calls for k in call.keywords if k.arg is not None} - attention.UNDERSTOOD - _SCALARS
+        passed -= {"indices"} if dsa else set()  # DSA's top-k: read by the attention function under cp
         own = _own_mask(calls)
         refusals.append((own is not None, f"builds its own attention mask ({own}) rather than passing the model's, "
                          "which context parallel builds over the whole sequence"))
         refusals.append((bool(passed), f"passes {sorted(passed)} to the attention function, which context parallel "
                          "does not split (a bias or key selection over each rank's local rows and keys)"))
+        refusals.append((reads is not None and not positions.corrected(module), f"counts token positions over the "
+                         f"rows it holds ({reads}), which under context parallel are this rank's rows, not the "
+                         "sequence's"))
         for refused, why in refusals:
             if refused:
                 raise ShardingError(
@@ -82,6 +92,8 @@ class ContextParallelStyle:
         self.kinds.add(contract.inner.kind)
         if contract.inner.kind == latent.MODE and latent.is_latent_attention(module):
             self.latent.append(module)
+        if dsa:
+            self.indexed.append(module)
 
     def replicas(self, fqn: str, module: nn.Module, contract: Contract, ctx: BindContext) -> dict[str, int]:
         return {}
@@ -101,7 +113,7 @@ class ContextParallelStyle:
         root, family = ctx.root, type(ctx.root).__qualname__
         config = getattr(root, "config", None)
         mixers = [m for m in root.modules() if recurrent.supports(m)]
-        split = {getattr(m, "layer_idx", None) for m in mixers}
+        split = {getattr(m, "layer_idx", None) for m in mixers + self.indexed}  # DSA's: 'indexed_attention' layers
         for i, kind in enumerate(getattr(config, "layer_types", None) or ()):
             if kind not in ATTENTION_LAYERS | TOKENWISE_LAYERS and i not in split:
                 raise ShardingError(
@@ -143,6 +155,8 @@ class ContextParallelStyle:
                 rope.wrap_rotary(module, f"{name} ({family})")
         for module in self.latent:  # MLA: gather the latent, not the expanded K/V
             latent.wrap_expand_kv(module)
+        for module in self.indexed:  # DSA: the whole sequence's indexer keys, its rows' mask over them
+            indexed.wrap(module)
         if len(self.kinds) > 1:
             raise ShardingError(
                 f"{family}: its attention modules carry different cp inner ops {sorted(self.kinds)}; use one kind"
@@ -163,16 +177,20 @@ _SCALARS = frozenset({"dropout", "scaling", "sliding_window", "is_causal", "atte
 """Attention-function keywords that are the call's own arguments (:func:`attention.cp_attention`'s)."""
 
 
-def _attention_calls(module: nn.Module) -> list[ast.Call]:
-    """The module's forward's ``attention_interface(...)`` calls, statically (none where its source
-    cannot be read: the per-call checks of :func:`attention.cp_attention` still hold)."""
+def _forward_tree(module: nn.Module) -> ast.AST | None:
+    """The module's forward's source, parsed (None where it cannot be read: the per-call checks of
+    :func:`attention.cp_attention` still hold)."""
     code = inspect.unwrap(getattr(type(module), IMPL, type(module).forward))
     try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(code)))
+        return ast.parse(textwrap.dedent(inspect.getsource(code)))
     except (OSError, TypeError, SyntaxError):
-        return []
+        return None
+
+
+def _attention_calls(tree: ast.AST | None) -> list[ast.Call]:
+    """The forward's ``attention_interface(...)`` calls, statically."""
     return [node for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-            and node.func.id == "attention_interface"]
+            and node.func.id == "attention_interface"] if tree is not None else []
 
 
 def _own_mask(calls: list[ast.Call]) -> str | None:

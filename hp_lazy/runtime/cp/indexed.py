@@ -1,0 +1,127 @@
+"""DeepSeek Sparse Attention (DSA) under context parallel: the indexer's top-k over the whole sequence.
+
+A DSA attention module (DeepSeek-V3.2, GLM-MoE-DSA, AXK2, Mistral-Large-4, HY-V4) is MLA whose
+every query attends only to the ``index_topk`` keys its *indexer* scores highest: a small
+projection of each token to one indexer key, scored against the query rows under the causal mask
+(``attention_mask[:, 0]``), top-k over the keys; layers whose indexer is ``None`` reuse the
+previous layer's top-k. transformers hands the top-k to the attention function as ``indices``
+(``[B, rows, topk]`` key positions) under any implementation but eager/SDPA, whose mask it folds
+them into instead.
+
+Under cp each rank holds its zigzag rows; the keys a query may select are the whole sequence's.
+So, per indexed module (:func:`wrap`):
+
+- the module receives, for the ``attention_mask`` the model passes as ``None`` under cp, the
+  visibility of its rows over the whole sequence's keys (causal, packed documents, key padding):
+  ``[B, 1, S/C, S]`` bool, keys in sequence order;
+- the indexer's keys are all-gathered over cp and put in sequence order, through the one hook its
+  code has for keys beyond its own rows: ``cache.update_indexer(k, layer_idx)`` (a cache object
+  that only gathers; the indexer runs without gradients, so the gather carries none). Sequence
+  order matters beyond the indices' meaning: the indexer's ReLU scores tie (at 0) wherever every
+  indexer head scores a key negative, and the top-k breaks ties by position, as in one process
+  only if the keys stand where one process has them;
+- :func:`~hp_lazy.runtime.cp.attention.cp_attention` takes ``indices`` and that mask
+  (:func:`selected`) and runs the blockwise attention with every non-empty tile masked by the
+  selection (the MLA K/V, gathered in rank order by :mod:`.latent`, are put in sequence order as
+  for any attention).
+
+The price is DSA's own: transformers' indexer scores every (row, key) pair (``[B, rows, heads, S]``
+floats); each rank holds ``1/C`` of one process's, plus the ``[B, S/C, S]`` selection mask.
+Only with ``cp_mode='allgather'`` (Ulysses splits heads, and would need every rank's whole rows).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from torch import nn
+
+from hp_lazy.runtime.comm import wire
+from hp_lazy.runtime.cp.state import CallState, current
+
+FLAG = "hp_cp_indexed"
+"""Set on an instance :func:`wrap` prepared: :func:`~hp_lazy.runtime.cp.attention.cp_attention`
+accepts its mask and ``indices``."""
+
+
+def is_indexed(module: nn.Module) -> bool:
+    """A DSA attention module: it has an ``indexer`` attribute (``None`` on a layer that reuses the
+    previous layer's top-k)."""
+    return hasattr(module, "indexer")
+
+
+def unsupported(module: nn.Module, mode: str) -> str | None:
+    """Why context parallel cannot split this indexed attention, or None."""
+    if mode != "cp_allgather_kv":
+        return ("selects its keys with a DSA indexer, which context parallel splits with cp_mode='allgather' only "
+                "(Ulysses would need every rank's whole rows of the selection); use cp_mode='allgather'")
+    if not callable(getattr(type(module), "expand_kv", None)):
+        return ("selects its keys with an indexer over attention that is not MLA (no expand_kv); context parallel "
+                "splits DeepSeek-V3.2's kind of DSA only (an MLA latent; each token's top-k keys over the whole "
+                "sequence handed to the attention function as indices)")
+    indexer = getattr(module, "indexer", None)
+    if indexer is not None and "cache" not in inspect.signature(type(indexer).forward).parameters:
+        return (f"selects its keys with a DSA indexer ({type(indexer).__name__}) that takes no cache, the hook "
+                "through which context parallel hands it the whole sequence's indexer keys")
+    return None
+
+
+class _GatheredKeys:
+    """The cache the indexer sees under cp: ``update_indexer`` returns every rank's keys."""
+
+    def __init__(self, state: CallState) -> None:
+        self.state = state
+
+    def update_indexer(self, k: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        """``[B, S/C, D]`` (this rank's rows) -> ``[B, S, D]`` in sequence order, no gradient."""
+        gathered = wire.all_gather(k.detach().contiguous(), self.state.group, 1, "forward")
+        return gathered.index_select(1, self.state.zig.inverse)
+
+
+def wrap(module: nn.Module) -> None:
+    """Give ``module`` (an instance) and its indexer forwards that see the whole sequence's keys."""
+    inner = module.forward
+    signature = inspect.signature(inner)
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        state = current()
+        if state is None:
+            return inner(*args, **kwargs)
+        bound = signature.bind(*args, **kwargs)
+        if bound.arguments.get("attention_mask") is None:
+            bound.arguments["attention_mask"] = rows_mask(state)
+        return inner(*bound.args, **bound.kwargs)
+
+    module.forward = forward
+    setattr(module, FLAG, True)
+    indexer = getattr(module, "indexer", None)
+    if indexer is not None:
+        score = indexer.forward
+        scored = inspect.signature(score)
+
+        def index(*args: Any, **kwargs: Any) -> Any:
+            state = current()
+            if state is None:
+                return score(*args, **kwargs)
+            bound = scored.bind(*args, **kwargs)
+            bound.arguments["cache"] = _GatheredKeys(state)
+            return score(*bound.args, **bound.kwargs)
+
+        indexer.forward = index
+
+
+def rows_mask(state: CallState) -> torch.Tensor:
+    """``[B, 1, S/C, S]`` bool: which keys (sequence order) this rank's rows may attend to."""
+    vis = state.visibility(True, None)
+    return vis.mask_at(state.zig.local, torch.arange(state.zig.seq, device=state.zig.local.device))
+
+
+def selected(mask: torch.Tensor, indices: torch.Tensor | None) -> torch.Tensor:
+    """The keys each row attends to (sequence order): the module's mask and, where given, its
+    top-k ``indices`` into those keys."""
+    if indices is None:
+        return mask
+    chosen = torch.zeros(indices.shape[0], *mask.shape[2:], dtype=torch.bool, device=mask.device)
+    return mask & chosen.scatter_(-1, indices.long(), True).unsqueeze(1)
