@@ -136,6 +136,7 @@ SHRINK: dict[str, Any] = dict(
     n_group=2, num_expert_group=2, topk_group=1,  # group-limited routing: 2 groups of the 4 experts, top-1 group
     moe_hidden_size=32, first_k_dense_replace=1,  # layer 0 dense, layer 1 MoE (defaults of 2-3 leave no MoE layer)
     attention_dropout=0.0,  # a default above 0 (Seed-OSS) draws random masks: no run, one process or not, repeats
+    index_topk=4, index_n_heads=2, index_head_dim=8,  # DSA: each query's top 4 of the 16 keys, so the selection shows
 )
 _INDEX_LIST = re.compile(r"(idx|indices|index|layers|_ids)$")
 
@@ -147,7 +148,28 @@ FAMILY_EXTRA: dict[str, dict[str, Any]] = {
     "bamba": dict(attn_layer_indices=[1]),  # one attention layer next to the mamba one
     "deepseek_v2": dict(num_experts_per_tok=2),  # None by default (unset)
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1),  # layer 1: attention + MoE
+    "dots1": dict(n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1),  # None by default
+    "deepseek_ocr2": dict(num_experts_per_tok=2, n_group=2, topk_group=1, mlp_layer_types=["dense", "sparse"]),
+    "diffusion_gemma": dict(num_experts=4, top_k_experts=2, moe_intermediate_size=32),
+    "ernie4_5_vl_moe": dict(mrope_section=[1, 1, 2]),  # (h, w, t): h and w interleave, so equal
+    "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=1),  # None by default
+    "granite4_vision": dict(deepstack_layer_map=[[1, 0]], downsample_rate="1/2", spatial_target_layers=[0, 1, 0, 1],
+                            projector_dropout=0.0),  # None by default; the projector's dropout draws at random
+    "granitemoehybrid": dict(layer_types=["linear_attention", "attention"]),  # all mamba by default
+    "inkling2": dict(vocab_size=136, unpadded_vocab_size=128),  # the head: unpadded; the embedding: padded
+    "inkling2_loop": dict(vocab_size=136, unpadded_vocab_size=128),
+    "neomme": dict(head_dim=16),  # the full layers rotate a quarter of each head, a positive multiple of four
+    # its compressed sparse attention keeps its default indexer: with 2 indexer heads of 8 its ep=2 run moves
+    # 6.7e-5 even in float64 (selection ties; one process split by rows moves 4.7e-7), hiding what ep does
+    "deepseek_v4": dict(index_topk=512, index_n_heads=64, index_head_dim=128),
+    "step3p7": dict(sliding_window=8, mlp_layer_types=["dense", "sparse"]),  # no sliding window by default; MoE from layer 3
+    "gemma4": dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32),  # the MoE variant
     "cohere_compass": dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
+}
+FAMILY_MODEL: dict[str, tuple[str, str, str]] = {
+    # no Auto class maps these configs: the model users fine-tune, by its class (config, model, mode)
+    "qwen2_5_omni": ("Qwen2_5OmniThinkerConfig", "Qwen2_5OmniThinkerForConditionalGeneration", "lm"),
+    "qwen3_omni_moe": ("Qwen3OmniMoeThinkerConfig", "Qwen3OmniMoeThinkerForConditionalGeneration", "lm"),
 }
 RETRIES: tuple[dict[str, Any], ...] = ({}, {"num_key_value_heads": 4})
 
@@ -155,7 +177,16 @@ RETRIES: tuple[dict[str, Any], ...] = ({}, {"num_key_value_heads": 4})
 def _defaults(cls: type) -> dict[str, Any]:
     """The default config's fields as the instance holds them (after ``__post_init__``)."""
     inst = cls()
-    return {k: getattr(inst, k, v) for k, v in inst.to_dict().items()}
+    return {k: _field(inst, k, v) for k, v in inst.to_dict().items()}
+
+
+def _field(inst: Any, key: str, stored: Any) -> Any:
+    try:
+        value = getattr(inst, key, stored)
+    except Exception:  # noqa: BLE001 - a per-layer field read globally (heterogeneous configs)
+        return stored
+    plain = value is None or isinstance(value, (bool, int, float, str, list, tuple, dict))
+    return value if plain else stored  # e.g. a per-layer config view: its stored form
 
 
 def _layer_selection(default: dict[str, Any]) -> list[int] | None:
@@ -172,9 +203,11 @@ def _layer_selection(default: dict[str, Any]) -> list[int] | None:
     return sel if isinstance(old, int) else None
 
 
-def shrunk_kwargs(cls: type) -> dict[str, Any]:
+def shrunk_kwargs(cls: type, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """Keyword arguments for ``cls`` (a config class): SHRINK where the config has the field,
-    per-layer lists cut to the kept layers, nested sub-configs shrunk the same way."""
+    per-layer lists cut to the kept layers, nested sub-configs shrunk the same way; ``extra`` (a
+    family's FAMILY_EXTRA) last, at every level whose config declares the field."""
+    extra = extra or {}
     default = _defaults(cls)
     amap = dict(getattr(cls, "attribute_map", {}) or {})
     out: dict[str, Any] = {}
@@ -195,20 +228,28 @@ def shrunk_kwargs(cls: type) -> dict[str, Any]:
     for key, value in default.items():
         if isinstance(value, list) and value and all(isinstance(v, int) for v in value) and _INDEX_LIST.search(key):
             out[key] = [keep.index(v) for v in value if v in keep]
+    per_layer = default.get("per_layer_config")
+    if isinstance(per_layer, dict) and per_layer:  # heterogeneous layers: the overrides of the kept ones
+        out["per_layer_config"] = {keep.index(int(i)): {k: out.get(k, v) for k, v in over.items()}  # sizes shrunk
+                                   for i, over in per_layer.items() if int(i) in keep}
     for key in ("sliding_window", "attention_window"):
         if isinstance(default.get(key), int):
             out[key] = 8
     if "kv_lora_rank" in default:
         _shrink_mla(default, out)
     rope = default.get("rope_parameters")
-    if isinstance(rope, dict) and rope and _uses_mrope(cls, rope):
-        out["rope_parameters"] = {**rope, "mrope_section": [2, 1, 1]}  # sums to head_dim / 2
+    per_type = isinstance(rope, dict) and any(isinstance(v, dict) for v in rope.values())  # {layer type: params}
+    if isinstance(rope, dict) and rope and not per_type and _uses_mrope(cls, rope):
+        half = int(out.get("head_dim", 8) * rope.get("partial_rotary_factor", 1.0)) // 2  # rotated pairs
+        section = extra.get("mrope_section") or [half - 2 * (half // 4), half // 4, half // 4]
+        out["rope_parameters"] = {**rope, "mrope_section": section}  # sums to the rotated pairs
     for name, sub in (getattr(cls, "sub_configs", None) or {}).items():
         if isinstance(sub, type):
             try:
-                out[name] = {**_defaults(sub), **shrunk_kwargs(sub)}
+                out[name] = {**_defaults(sub), **shrunk_kwargs(sub, extra)}
             except Exception:  # noqa: BLE001 - an AutoConfig placeholder: leave its default
                 pass
+    out.update({k: v for k, v in extra.items() if k in default})
     return out
 
 
@@ -253,6 +294,9 @@ def pick_models(family: str) -> list[tuple[type, str, str]]:
     from transformers.models.auto import modeling_auto as ma
 
     classes = _config_classes(family)
+    if family in FAMILY_MODEL:
+        config, model, mode = FAMILY_MODEL[family]
+        return [(next(c for c in classes if c.__name__ == config), model, mode)]
     planned = [c for c in classes if getattr(c, "base_model_tp_plan", None)]
     nested = {sub for c in classes for sub in (getattr(c, "sub_configs", None) or {}).values()}
     tops = [c for c in classes if ca.CONFIG_MAPPING_NAMES.get(c.model_type) == c.__name__ and c not in nested]
@@ -289,11 +333,12 @@ def build_model(family: str, workdir: str) -> tuple[str, str]:
     errors = []
     for cls, auto, mode in pick_models(family):
         try:
-            config = _construct(cls, {**shrunk_kwargs(cls), **FAMILY_EXTRA.get(family, {})})
+            config = _construct(cls, shrunk_kwargs(cls, FAMILY_EXTRA.get(family)))
             torch.manual_seed(0)
-            model = getattr(transformers, auto).from_config(config)
-            if type(model.config) not in getattr(transformers, auto)._model_mapping:
-                raise RuntimeError(f"{auto} does not map back {type(model.config).__name__}")
+            loader = getattr(transformers, auto)
+            model = loader.from_config(config) if auto.startswith("Auto") else loader._from_config(config)
+            if auto.startswith("Auto") and type(model.config) not in loader._model_mapping:
+                auto = type(model).__name__  # a nested config (Emu3's text model): load by the class, as users do
         except Exception as exc:  # noqa: BLE001 - try the next candidate
             errors.append(exc)
             continue
@@ -623,6 +668,16 @@ def _compare(family: str, workdir: str) -> Row:
 
 
 # -- report ------------------------------------------------------------------------------------
+def read_table(path: str) -> dict[str, Row]:
+    """The rows of a table :func:`render` wrote (``--update`` replaces some of them)."""
+    rows = {}
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if line.startswith("| ") and len(cells) == 3 and cells[1] in STATUSES:
+                rows[cells[0]] = Row(*cells)
+    return rows
+
 def render(rows: list[Row]) -> str:
     counts = {s: sum(r.status == s for r in rows) for s in STATUSES}
     mode = "ep=2" if _ep() > 1 else "cp=2" if _cp() > 1 else "tp=2"
@@ -660,6 +715,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="dtype of every run (float64 tells round-off from a wrong gradient)")
     parser.add_argument("--cp", type=int, default=1, choices=(1, 2), help="2: context parallel (cp=2) instead of tp=2")
     parser.add_argument("--ep", type=int, default=1, choices=(1, 2), help="2: expert parallel (ep=2, dp=2) instead of tp=2")
+    parser.add_argument("--update", action="store_true",
+                        help="rerun only --families and replace their rows in --out (the other rows kept)")
     parser.add_argument("--_ref", nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--_rank", nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--smoke", action="store_true", help="one family (llama): does the sweep run?")
@@ -678,6 +735,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.ep > 1 and args.cp > 1:
         parser.error("--ep and --cp are separate sweeps")
     names = [f for f in args.families.split(",") if f] or families()
+    if args.update and not (args.out and args.families):
+        parser.error("--update needs --out (the table to update) and --families (the rows to rerun)")
+    kept = read_table(args.out) if args.update else {}
     rows: dict[str, Row] = {}
     with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as pool:
         futures = {pool.submit(run_family, name, args.timeout): name for name in names}
@@ -688,6 +748,12 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as exc:  # noqa: BLE001 - a driver bug must not lose the other rows
                 rows[name] = Row(name, "fail", f"driver: {_first_line(exc)}")
             print(f"{name}: {rows[name].status} — {rows[name].reason}", file=sys.stderr, flush=True)
+    if args.update:
+        unknown = sorted(set(names) - set(kept) - set(families()))
+        if unknown:
+            parser.error(f"--update: {unknown} are neither rows of {args.out} nor families of this sweep")
+        kept.update(rows)
+        rows, names = kept, sorted(kept)
     table = render([rows[n] for n in names])
     print(table)
     if args.out:
