@@ -81,7 +81,18 @@ def test_qwen3_next_cp4(pool4: DistPool, root: str, kind: str) -> None:
 
 
 @pytest.mark.parametrize("name", ["bamba", "lfm3"])
-@pytest.mark.parametrize("kind", ["plain", "padded"])
+@pytest.mark.parametrize("kind", ["plain", "padded", "packed"])
 def test_mamba2_and_short_conv_hybrids_cp2(pool2: DistPool, root: str, name: str, kind: str) -> None:
     """Bamba (Mamba2's SSD scan) and LFM3 (a gated short convolution of kernel 7) under cp=2."""
     cpwork.check(_ready(pool2, 2), models.build(name, root), cpwork.batch(kind))
+
+
+@pytest.mark.parametrize(("name", "kind", "cp", "mode"), [
+    ("bamba", "padded", 4, "allgather"),  # each rank's chunks of 2 tokens, shorter than the SSD's chunks of 4
+    ("lfm3", "plain", 4, "allgather"),  # the convolution's halo of 6 spans the 3 rows-of-2 chunks before
+    ("bamba", "plain", 2, "ulysses"), ("lfm3", "padded", 2, "ulysses"),  # recurrent layers beside Ulysses attention
+], ids=["bamba-cp4", "lfm3-cp4", "bamba-ulysses", "lfm3-ulysses"])
+def test_mamba2_and_short_conv_hybrids_cp4_and_ulysses(pool2: DistPool, pool4: DistPool, root: str, name: str,
+                                                       kind: str, cp: int, mode: str) -> None:
+    pool = _ready(pool4 if cp == 4 else pool2, cp, mode)
+    cpwork.check(pool, models.build(name, root), cpwork.batch(kind))
