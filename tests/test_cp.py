@@ -14,9 +14,16 @@ pool2 = pool_fixture(2, timeout=120)
 
 
 @pytest.fixture(scope="module")
-def ready(pool2: DistPool, tmp_path_factory):
+def root(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture
+def ready(pool2: DistPool, root: str):
+    """The pool, activated: per test, since a pool restarts its workers after a worker error (the
+    restarted workers would otherwise run the tests after a failure without hp_lazy)."""
     parity.once(pool2, cpwork.activate, 2, 1)
-    return pool2, str(tmp_path_factory.mktemp("models"))
+    return pool2, root
 
 
 CASES = [("llama_gqa", "plain"), ("qwen3", "plain"), ("llama_bias", "plain"), ("qwen3_sliding", "plain"),

@@ -16,9 +16,15 @@ pool2 = pool_fixture(2, timeout=120)
 
 
 @pytest.fixture(scope="module")
-def ready(pool2: DistPool, tmp_path_factory):
+def root(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture
+def ready(pool2: DistPool, root: str):
+    """Activated per test: a pool restarts its workers after a worker error."""
     parity.once(pool2, epwork.activate, ep=2)
-    return pool2, str(tmp_path_factory.mktemp("models"))
+    return pool2, root
 
 
 def _check(pool, path: str, impl: str = "grouped_mm") -> dict[str, float]:

@@ -18,9 +18,15 @@ pool4 = pool_fixture(4, timeout=180)
 
 
 @pytest.fixture(scope="module")
-def ready(pool4: DistPool, tmp_path_factory):
+def root(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture
+def ready(pool4: DistPool, root: str):
+    """Activated per test: a pool restarts its workers after a worker error."""
     parity.once(pool4, epwork.activate, ep=2, tp=2)
-    return pool4, str(tmp_path_factory.mktemp("models"))
+    return pool4, root
 
 
 @pytest.mark.parametrize(("name", "impl"), [("qwen3_moe8", "grouped_mm"), ("qwen2_moe", "eager")])

@@ -17,8 +17,14 @@ pool2 = pool_fixture(2, timeout=240)
 
 
 @pytest.fixture(scope="module")
-def ready(pool2: DistPool, tmp_path_factory):
-    return parity.once(pool2, epwork.activate, ep=2), models.build("qwen3_moe", str(tmp_path_factory.mktemp("models")))
+def model_path(tmp_path_factory) -> str:
+    return models.build("qwen3_moe", str(tmp_path_factory.mktemp("models")))
+
+
+@pytest.fixture
+def ready(pool2: DistPool, model_path: str):
+    """Activated per test: a pool restarts its workers after a worker error."""
+    return parity.once(pool2, epwork.activate, ep=2), model_path
 
 
 @pytest.mark.parametrize("optim", ["sgd", "adamw_torch"])

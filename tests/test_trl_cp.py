@@ -18,9 +18,14 @@ pool2 = pool_fixture(2, timeout=240)
 
 
 @pytest.fixture(scope="module")
-def ready(pool2: DistPool, tmp_path_factory):
-    path = models.build("llama", str(tmp_path_factory.mktemp("models")))
-    return parity.once(pool2, cpwork.activate, 2, 1), path
+def model_path(tmp_path_factory) -> str:
+    return models.build("llama", str(tmp_path_factory.mktemp("models")))
+
+
+@pytest.fixture
+def ready(pool2: DistPool, model_path: str):
+    """Activated per test: a pool restarts its workers after a worker error."""
+    return parity.once(pool2, cpwork.activate, 2, 1), model_path
 
 
 @pytest.mark.parametrize("variant", [{}, {"packing": True}, {"completion_only": True}],

@@ -57,16 +57,20 @@ from hp_lazy.runtime.comm import gather_to
 from hp_lazy.runtime.cp.state import CallState, current
 
 CONV = "causal_conv1d_forward"
+CONV_FN = "causal_conv1d_fn"
+"""transformers 5.24's convolution (``hidden_states [B, D, L], weight [D, k], bias, activation``)."""
 RULE = "torch_chunk_gated_delta_rule"
 KDA = "chunk_kimi_delta_attention"
 SCAN = "mamba2_scan_forward"
 SSD = "mamba2_chunk_scan"
 FUSED = "mamba2_split_conv1d_scan_combined"
 MASK = "create_recurrent_attention_mask"
-DECODE = ("torch_recurrent_gated_delta_rule", "recurrent_kimi_delta_attention")
+DECODE = ("torch_recurrent_gated_delta_rule", "recurrent_kimi_delta_attention", "causal_conv1d_update",
+          "mamba2_selective_state_update")
 """One-token (cached) steps: a cache is refused under cp before any layer runs."""
-KNOWN = frozenset({CONV, RULE, KDA, SCAN, FUSED, "apply_mask_to_padding_states", *DECODE})
-"""The module-level functions a recurrent layer's forward may call to be split."""
+KNOWN = frozenset({CONV, CONV_FN, RULE, KDA, SCAN, SSD, FUSED, "apply_mask_to_padding_states", *DECODE})
+"""The module-level functions a recurrent layer's forward may call to be split (transformers 5.24's
+layers call the convolution as ``causal_conv1d_fn`` and Mamba2's ``mamba2_chunk_scan`` directly)."""
 WRAPPED = "hp_cp_wrapped"
 """Set on a wrapper (its original under it), so a module is wrapped once."""
 
@@ -83,12 +87,18 @@ def supports(module: torch.nn.Module) -> bool:
     # module-level callables that are not classes (hub kernel decorators make some of them objects)
     called = {n for n in names if n in vars(modeling) and callable(vars(modeling)[n])
               and not isinstance(vars(modeling)[n], type)}
-    return CONV in called and called <= KNOWN and (SCAN not in called or hasattr(modeling, SSD))
+    direct = CONV_FN in called and hasattr(modeling, CONV)  # install wraps CONV_FN only where CONV is absent
+    return bool(called & {CONV, CONV_FN}) and called <= KNOWN and not direct \
+        and (SCAN not in called or hasattr(modeling, SSD))
 
 
 def install(modeling: ModuleType) -> None:
     """Wrap ``modeling``'s kernels and recurrent-mask builder (idempotent)."""
-    for name, wrap in ((CONV, _conv), (RULE, _rule), (KDA, _rule), (SSD, _ssd), (FUSED, _declined), (MASK, _mask)):
+    wrappers = ((CONV, _conv), (CONV_FN, _conv_fn), (RULE, _rule), (KDA, _rule), (SSD, _ssd), (FUSED, _declined),
+                (MASK, _mask))
+    for name, wrap in wrappers:
+        if name == CONV_FN and hasattr(modeling, CONV):  # 5.25: the forward calls CONV, which calls CONV_FN
+            continue
         fn = getattr(modeling, name, None)
         if fn is not None and not hasattr(fn, WRAPPED):
             wrapper = wrap(fn)
@@ -127,23 +137,45 @@ def _conv(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
         if cache is not None or kwargs.get("seq_idx") is not None or kwargs.get("cu_seqlens") is not None:
             raise _refuse(f"{CONV} with a cache or document ids (seq_idx / cu_seqlens)",
                           "the convolution's halo crosses ranks")
-        halo = conv1d.kernel_size[0] - 1
-        if halo == 0:
-            return fn(conv1d, hidden_states, None, layer_idx, *args, **kwargs)
-        pieces = _chunks(state, hidden_states, 2)  # [B, D, c] each
-        c = pieces[0].shape[-1]
-        keep = min(halo, c)
-        tails = gather_to(torch.stack([p[..., c - keep :] for p in pieces]), state.group, 0)  # [2C, B, D, keep]
-        holders = _global(state)
-        joined = []
-        for g, piece in zip(_mine(state), pieces, strict=True):
-            before = [tails[2 * r + slot] for r, slot in holders[max(0, g - -(-halo // keep)) : g]]
-            prefix = torch.cat([piece.new_zeros(*piece.shape[:-1], halo), *before], dim=-1)[..., -halo:]
-            joined.append(torch.cat([prefix, piece], dim=-1))
-        out = fn(conv1d, torch.cat(joined, dim=0), None, layer_idx, *args, **kwargs)[..., halo:]
-        return torch.cat(out.chunk(2, dim=0), dim=-1)
+        return _with_halo(state, hidden_states, conv1d.kernel_size[0] - 1,
+                          lambda x: fn(conv1d, x, None, layer_idx, *args, **kwargs))
 
     return conv
+
+
+def _conv_fn(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """transformers 5.24's ``causal_conv1d_fn``: the same halo as :func:`_conv`."""
+
+    @functools.wraps(fn)
+    def conv(hidden_states: torch.Tensor, weight: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        state = current()
+        if state is None:
+            return fn(hidden_states, weight, *args, **kwargs)
+        if kwargs.get("seq_idx") is not None or kwargs.get("cu_seqlens") is not None:
+            raise _refuse(f"{CONV_FN} with document ids (seq_idx / cu_seqlens)", "the convolution's halo crosses ranks")
+        return _with_halo(state, hidden_states, weight.shape[-1] - 1, lambda x: fn(x, weight, *args, **kwargs))
+
+    return conv
+
+
+def _with_halo(state: CallState, hidden_states: torch.Tensor, halo: int,
+               run: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``run`` (a causal convolution over ``[B, D, L]``) on this rank's two chunks, each with the
+    ``halo`` tokens before it prepended (all-gathered tails of the chunks; zeros before the first)."""
+    if halo == 0:
+        return run(hidden_states)
+    pieces = _chunks(state, hidden_states, 2)  # [B, D, c] each
+    c = pieces[0].shape[-1]
+    keep = min(halo, c)
+    tails = gather_to(torch.stack([p[..., c - keep :] for p in pieces]), state.group, 0)  # [2C, B, D, keep]
+    holders = _global(state)
+    joined = []
+    for g, piece in zip(_mine(state), pieces, strict=True):
+        before = [tails[2 * r + slot] for r, slot in holders[max(0, g - -(-halo // keep)) : g]]
+        prefix = torch.cat([piece.new_zeros(*piece.shape[:-1], halo), *before], dim=-1)[..., -halo:]
+        joined.append(torch.cat([prefix, piece], dim=-1))
+    out = run(torch.cat(joined, dim=0))[..., halo:]
+    return torch.cat(out.chunk(2, dim=0), dim=-1)
 
 
 def _rule(fn: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]) -> Callable[..., Any]:
