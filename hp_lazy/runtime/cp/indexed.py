@@ -33,6 +33,7 @@ Only with ``cp_mode='allgather'`` (Ulysses splits heads, and would need every ra
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -82,34 +83,35 @@ class _GatheredKeys:
 
 def wrap(module: nn.Module) -> None:
     """Give ``module`` (an instance) and its indexer forwards that see the whole sequence's keys."""
-    inner = module.forward
-    signature = inspect.signature(inner)
-
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        state = current()
-        if state is None:
-            return inner(*args, **kwargs)
-        bound = signature.bind(*args, **kwargs)
-        if bound.arguments.get("attention_mask") is None:
-            bound.arguments["attention_mask"] = rows_mask(state)
-        return inner(*bound.args, **bound.kwargs)
-
-    module.forward = forward
+    module.forward = _rebound(module.forward, _give_mask)
     setattr(module, FLAG, True)
     indexer = getattr(module, "indexer", None)
     if indexer is not None:
-        score = indexer.forward
-        scored = inspect.signature(score)
+        indexer.forward = _rebound(indexer.forward, _give_keys)
 
-        def index(*args: Any, **kwargs: Any) -> Any:
-            state = current()
-            if state is None:
-                return score(*args, **kwargs)
-            bound = scored.bind(*args, **kwargs)
-            bound.arguments["cache"] = _GatheredKeys(state)
-            return score(*bound.args, **bound.kwargs)
 
-        indexer.forward = index
+def _give_mask(arguments: dict[str, Any], state: CallState) -> None:
+    if arguments.get("attention_mask") is None:
+        arguments["attention_mask"] = rows_mask(state)
+
+
+def _give_keys(arguments: dict[str, Any], state: CallState) -> None:
+    arguments["cache"] = _GatheredKeys(state)
+
+
+def _rebound(fn: Callable[..., Any], edit: Callable[[dict[str, Any], CallState], None]) -> Callable[..., Any]:
+    """``fn`` whose bound arguments ``edit`` changes inside a context-parallel forward."""
+    signature = inspect.signature(fn)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        state = current()
+        if state is None:
+            return fn(*args, **kwargs)
+        bound = signature.bind(*args, **kwargs)
+        edit(bound.arguments, state)
+        return fn(*bound.args, **bound.kwargs)
+
+    return call
 
 
 def rows_mask(state: CallState) -> torch.Tensor:
