@@ -225,7 +225,8 @@ def test_gradient_checkpointing_recomputes_inside_the_call(ready, reentrant: boo
     assert models.rel_err(results[1]["logits"], ref["logits"]) <= parity.TOL
 
 
-@pytest.mark.parametrize("name", ["llama_gqa", "qwen3_next", "gpt_oss"])  # a Gated DeltaNet hybrid, attention sinks
+@pytest.mark.parametrize("name", ["llama_gqa", "qwen3_next", "gpt_oss",  # a Gated DeltaNet hybrid, attention sinks
+                                  "deepseek_v32", "llama4"])  # DSA's top-k; chunked attention and query temperature
 def test_stock_trainer_under_cp(ready, tmp_path, name: str) -> None:
     """The stock Trainer (default args: clipping at 1.0, SGD) under cp=2: both ranks read the same
     rows, and losses, logged grad norms and parameters after 3 steps are one process's."""
