@@ -3,7 +3,7 @@
 A :class:`CallState` lives for one call of the bound root (a context variable, so a forward in
 another thread sees its own): the zigzag layout, the global position ids, the document ids of
 packed sequences and the key padding mask, and the blockwise attention plans made from them
-(:mod:`hp_lazy.runtime.cp.blocks`) — one per (causal, window) kind and query layout, made on first
+(:mod:`hp_lazy.runtime.cp.blocks`) — one per (causal, window, chunk) kind and query layout, made on first
 use on the host and shared by every layer of that kind.
 """
 

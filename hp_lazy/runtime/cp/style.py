@@ -7,7 +7,7 @@ Bound per model (the walker calls it like every style, :mod:`hp_lazy.runtime.sty
   split over the sequence is refused here (K/V compressed over the whole sequence, a mask of its
   own, dropout); attention sinks and logit softcapping run in the blockwise attention, DSA's
   top-k selection through :mod:`.indexed`;
-- ``finish``: the model's layer types must all be attention (full or sliding) or recurrent layers
+- ``finish``: the model's layer types must all be attention (full, sliding, chunked, DSA's indexed) or recurrent layers
   :mod:`.recurrent` splits (Gated DeltaNet, KDA, Mamba2, short convolutions: state passed between
   ranks; others, Mamba1 or lightning attention, mix tokens outside attention and are refused),
   every attention module of the text stack must
