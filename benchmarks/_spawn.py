@@ -1,10 +1,22 @@
-"""Results from spawned benchmark ranks without hanging on a rank that died."""
+"""Benchmark ranks: started from a forkserver that imported torch once, and their results collected
+without hanging on a rank that died."""
 
 from __future__ import annotations
 
 import queue as queues
 import time
 from typing import Any
+
+
+def context() -> Any:
+    """The multiprocessing context ranks start from: a forkserver that imported torch and
+    torch.distributed once (each rank then starts without importing them: ~2 s a rank on 2 CPU
+    cores). transformers is imported in each rank, after hp_lazy's hook is active."""
+    import torch.multiprocessing as tmp  # its queues share tensors as the ranks return them
+
+    ctx = tmp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed"])
+    return ctx
 
 
 def collect(procs: list[Any], queue: Any, what: str, timeout: float = 3600) -> dict[int, Any]:

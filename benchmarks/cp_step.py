@@ -40,6 +40,7 @@ import tempfile
 import time
 from typing import Any
 
+import _spawn
 from _spawn import collect
 
 VARIANTS = ("one process", "cp", "cp ulysses", "cp, K/V saved")
@@ -204,9 +205,8 @@ def _worker(
 
 
 def _launch(args: argparse.Namespace, variant: str, batch: str, path: str, seq: int) -> tuple[float, int, int]:
-    import torch.multiprocessing as mp
 
-    ctx = mp.get_context("spawn")
+    ctx = _spawn.context()
     queue = ctx.Queue()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -32,6 +32,8 @@ import tempfile
 import time
 from typing import Any
 
+import _spawn
+
 VARIANTS = ("hp_lazy", "ddp", "local")
 
 
@@ -210,14 +212,13 @@ def _table(result: dict[str, Any], args: argparse.Namespace) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = _args(argv)
-    import torch.multiprocessing as mp
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as root:
         path = _build(args, root)
-        ctx = mp.get_context("spawn")
+        ctx = _spawn.context()
         queue = ctx.SimpleQueue()
         procs = [ctx.Process(target=_worker, args=(r, args, path, port, queue)) for r in range(args.world)]
         for p in procs:

@@ -56,6 +56,7 @@ import tempfile
 import time
 from typing import Any
 
+import _spawn
 from _spawn import collect
 
 VARIANTS = ("one process", "ep", "ep x tp", "experts-TP", "transformers ep_plan")
@@ -196,9 +197,8 @@ def _report(queue: Any, rank: int, world: int, run: tuple[float, float], counts:
 
 
 def _launch(args: argparse.Namespace, variant: str, path: str) -> tuple[float, dict, int, float]:
-    import torch.multiprocessing as mp
 
-    ctx = mp.get_context("spawn")
+    ctx = _spawn.context()
     queue = ctx.Queue()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

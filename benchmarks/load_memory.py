@@ -22,6 +22,8 @@ import threading
 import time
 from typing import Any
 
+import _spawn
+
 
 def _args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -128,9 +130,8 @@ def _local(param: Any) -> Any:
 
 
 def _run(variant: str, world: int, path: str, dtype: str) -> dict[str, float]:
-    import torch.multiprocessing as mp
 
-    ctx = mp.get_context("spawn")
+    ctx = _spawn.context()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
