@@ -115,9 +115,13 @@ def _rebound(fn: Callable[..., Any], edit: Callable[[dict[str, Any], CallState],
 
 
 def rows_mask(state: CallState) -> torch.Tensor:
-    """``[B, 1, S/C, S]`` bool: which keys (sequence order) this rank's rows may attend to."""
-    vis = state.visibility(True, None)
-    return vis.mask_at(state.zig.local, torch.arange(state.zig.seq, device=state.zig.local.device))
+    """``[B, 1, S/C, S]`` bool: which keys (sequence order) this rank's rows may attend to; made by
+    the first DSA layer of a forward, shared by the others (no layer changes it: ``selected`` makes
+    a new tensor)."""
+    if state.rows_mask is None:
+        vis = state.visibility(True, None)
+        state.rows_mask = vis.mask_at(state.zig.local, torch.arange(state.zig.seq, device=state.zig.local.device))
+    return state.rows_mask
 
 
 def selected(mask: torch.Tensor, indices: torch.Tensor | None) -> torch.Tensor:

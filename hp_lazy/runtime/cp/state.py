@@ -38,6 +38,8 @@ class CallState:
     key_padding: torch.Tensor | None
     """``[B, S]`` bool, True for tokens that may be attended to (a 2-D attention mask), or None."""
     plans: dict[tuple, tuple[Visibility, Plan]] = field(default_factory=dict)
+    rows_mask: torch.Tensor | None = None
+    """DSA's ``[B, 1, S/C, S]`` visibility of this rank's rows (:mod:`.indexed`), made once per forward."""
     model_separates: bool = False
     """Whether this forward's model handed its position ids to transformers' mask code (which then
     separates packed documents): set by :func:`hp_lazy.runtime.cp.attention.observe_masks` before
