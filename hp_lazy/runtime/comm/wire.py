@@ -32,6 +32,7 @@ __all__ = [
     "all_reduce_",
     "all_reduce_async",
     "all_to_all",
+    "all_to_all_async",
     "all_to_all_v",
     "collective_counter",
     "local_chunk",
@@ -140,7 +141,7 @@ def all_reduce(
 
 
 class Pending:
-    """An all-reduce in flight: :meth:`wait` returns the reduced tensor."""
+    """A collective in flight (an all-reduce, an all-to-all): :meth:`wait` returns its result."""
 
     __slots__ = ("tensor", "_work")
 
@@ -210,6 +211,14 @@ def all_to_all(x: torch.Tensor, g: Group, split_dim: int, cat_dim: int, phase: P
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=g.pg)
     return torch.cat(recv.unbind(0), dim=cat_dim)
+
+
+def all_to_all_async(x: torch.Tensor, g: Group, phase: Phase | None) -> Pending:
+    """Start sending the ``j``-th of ``W`` equal runs of the rows of ``x`` to rank ``j``; :meth:`Pending.wait`
+    gives the runs received, in rank order. No autograd (control traffic: the expert counts)."""
+    _record("all_to_all", phase, x, g)
+    recv = torch.empty_like(x)
+    return Pending(recv, dist.all_to_all_single(recv, x.contiguous(), group=g.pg, async_op=True))
 
 
 def all_to_all_v(

@@ -6,8 +6,9 @@ eager / grouped_mm / batched_mm kernels, runs on the local experts). Rank ``r`` 
 the global experts ``[r*El, (r+1)*El)``. Per call, with ``N = T*K`` (token, slot) pairs:
 
 1. a stable argsort of the pairs by expert (so by owner rank); the rows ``x[order // K]``;
-2. the per-expert counts ``[P, El]`` exchanged in one small all-to-all (no autograd) and read to
-   the host once (the only host sync of the layer);
+2. the per-expert counts ``[P, El]`` exchanged in one small all-to-all (no autograd), started
+   before step 1 so that it is in flight while the rows are sorted and gathered, and read to the
+   host once (the only host sync of the layer: ``all_to_all_single`` takes its splits as host lists);
 3. a variable-split all-to-all of the rows (:func:`~hp_lazy.runtime.comm.all_to_all_v`, whose
    backward sends the gradient rows back along the same routes);
 4. the received rows, sorted by local expert, through the class's own forward with local
@@ -99,12 +100,12 @@ def dispatch(
     group, local = spec.group, spec.num_local
     tokens, k = idx.shape
     flat = idx.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    send = x[order // k]
     counts = torch.bincount(flat, minlength=spec.num_global).view(group.size, local)
     module.__dict__[EP_LOAD] = counts.detach().reshape(-1)  # read by hp_lazy.expert_load (:mod:`.load`)
-    got = wire.all_to_all_v(counts.reshape(-1), group, [local] * group.size, [local] * group.size, "forward")
-    got = got.view(group.size, local)
+    exchange = wire.all_to_all_async(counts.reshape(-1), group, "forward")  # in flight while the rows are sorted
+    order = torch.argsort(flat, stable=True)
+    send = x[order // k]
+    got = exchange.wait().view(group.size, local)
     send_splits, recv_splits = torch.stack([counts.sum(1), got.sum(1)]).tolist()  # the one host sync
     recv = all_to_all_v(send, group, send_splits, recv_splits)
     ids = torch.arange(local, device=idx.device).repeat(group.size).repeat_interleave(got.reshape(-1))
