@@ -303,6 +303,7 @@ KERNELS = {  # which -> (modeling module, function, hp_lazy wrapper)
     "gdn": ("qwen3_next", "torch_chunk_gated_delta_rule", "_rule"),
     "kda": ("kimi_linear", "chunk_kimi_delta_attention", "_rule"),
     "ssd": ("bamba", "mamba2_chunk_scan", "_ssd"),
+    "mamba1": ("jamba", "mamba_selective_scan", "_selective"),
 }
 
 
@@ -317,6 +318,12 @@ def _kernel_inputs(which: str, seq: int):  # type: ignore[no-untyped-def]
     def rnd(*shape: int):  # type: ignore[no-untyped-def]
         return torch.randn(*shape, generator=gen, dtype=torch.float64)
 
+    if which == "mamba1":  # x, dt, gate [B, S, D]; B and C [B, S, N] (the kernel takes them [B, *, S]); A [D, N]
+        d, n = h * dv, dk
+        seqs = [rnd(b, seq, d), rnd(b, seq, d), rnd(b, seq, n), rnd(b, seq, n), rnd(b, seq, d)]
+        params = {"A": -torch.rand(d, n, generator=gen, dtype=torch.float64) - 0.1, "D": rnd(d),
+                  "delta_bias": rnd(d)}
+        return seqs, params, (), {"delta_softplus": True}, (d,)
     if which == "ssd":  # x [B, S, H, P], dt [B, S, H], B and C [B, S, G, N]; A, D, dt_bias per head
         seqs = [rnd(b, seq, h, dv), rnd(b, seq, h), rnd(b, seq, 1, dk), rnd(b, seq, 1, dk)]
         params = {"A": -torch.rand(h, generator=gen, dtype=torch.float64) - 0.1, "D": rnd(h), "dt_bias": rnd(h)}
@@ -328,6 +335,10 @@ def _kernel_inputs(which: str, seq: int):  # type: ignore[no-untyped-def]
 
 
 def _call(fn, which: str, seqs, params, names, fixed):  # type: ignore[no-untyped-def]
+    if which == "mamba1":
+        x, dt, b_in, c_in, z = (t.transpose(1, 2) for t in seqs)
+        return fn(x, dt, params["A"], b_in, c_in, D=params["D"], z=z, delta_bias=params["delta_bias"],
+                  **fixed).transpose(1, 2)
     if which == "ssd":
         x, dt, b_in, c_in = seqs
         return fn(x, dt, params["A"], b_in, c_in, D=params["D"], dt_bias=params["dt_bias"], **fixed)
@@ -364,7 +375,7 @@ def recurrent_rule(rank: int, world: int, seq: int, naive: bool = False, which: 
     if naive:  # each chunk from a zero state, as a cp that passed no state would
         out = torch.cat([_call(kernel, which, [t.narrow(1, at, n) for t in mine], mine_params, names, fixed)
                          for at, _, n in zig.runs()], dim=1)
-        return {"errors": {"out": models.rel_err(out, ref.detach().index_select(1, zig.local))}}
+        return {"errors": {"out": models.rel_err(out.detach(), ref.detach().index_select(1, zig.local))}}
     call = state.CallState(group=group, zig=zig, mode="cp_allgather_kv", positions=torch.arange(seq)[None],
                            docs=None, key_padding=None)
     token = state.enter(call)
@@ -374,7 +385,7 @@ def recurrent_rule(rank: int, world: int, seq: int, naive: bool = False, which: 
             out.backward(dout.index_select(1, zig.local))
     finally:
         state.leave(token)
-    errors = {"out": models.rel_err(out, ref.detach().index_select(1, zig.local))}
+    errors = {"out": models.rel_err(out.detach(), ref.detach().index_select(1, zig.local))}
     for i, (got, want) in enumerate(zip(mine, whole, strict=True)):
         full = torch.zeros_like(want)
         full.index_copy_(1, zig.local, got.grad)

@@ -31,13 +31,23 @@ def _ready(pool: DistPool, cp: int, mode: str = "allgather") -> DistPool:
     return pool
 
 
-KERNELS = sorted(cpwork.KERNELS)  # gated delta rule, KDA (per-channel decay), Mamba2's SSD scan
+KERNELS = sorted(cpwork.KERNELS)  # gated delta rule, KDA (per-channel decay), Mamba2's SSD scan, Mamba1's scan
 
 
 @pytest.mark.parametrize("which", KERNELS)
 def test_kernel_split_into_two_chunks_at_world_1(which: str) -> None:
     got = cpwork.recurrent_rule(0, 1, 24, False, which)
     assert max(got["errors"].values()) <= parity.TOL, got  # the kernels compute in float32
+
+
+def test_mamba1_carry_in_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mamba1's chunk state and carried outputs summed / joined over blocks of tokens (12-token
+    chunks in blocks of 5, 5 and 2), each recomputed in backward."""
+    from hp_lazy.runtime.cp import recurrent
+
+    monkeypatch.setattr(recurrent, "CARRY_TOKENS", 5)
+    got = cpwork.recurrent_rule(0, 1, 24, False, "mamba1")
+    assert max(got["errors"].values()) <= parity.TOL, got
 
 
 @pytest.mark.parametrize("which", KERNELS)
@@ -53,7 +63,9 @@ def test_kernel_bytes_per_layer_do_not_grow_with_the_sequence(pool2: DistPool, w
     pool = _ready(pool2, 2)
     short, long = (pool.run(cpwork.recurrent_rule, seq, False, which)[0]["gathered"] for seq in (16, 64))
     b, h, dk, dv = 2, 3, 8, 6  # the maps (A, F) of this rank's 2 chunks, float32: [Dk, Dk + Dv] / [P + N, N]
-    assert short == long == 2 * b * h * (dk * (dk + dv) if which != "ssd" else (dv + dk) * dk) * 4
+    per_batch = {"gdn": h * dk * (dk + dv), "kda": h * dk * (dk + dv), "ssd": h * (dv + dk) * dk,
+                 "mamba1": 2 * (h * dv) * dk}  # Mamba1: (P, F) elementwise over the state [D, N], float64 here
+    assert short == long == 2 * b * per_batch[which] * (4 if which != "mamba1" else 8)
 
 
 @pytest.mark.parametrize("which", KERNELS)
@@ -80,19 +92,22 @@ def test_qwen3_next_cp4(pool4: DistPool, root: str, kind: str) -> None:
     cpwork.check(_ready(pool4, 4), path, data, cpwork.chunking_floor(path, data))
 
 
-@pytest.mark.parametrize("name", ["bamba", "lfm3"])
+@pytest.mark.parametrize("name", ["bamba", "lfm3", "jamba"])
 @pytest.mark.parametrize("kind", ["plain", "padded", "packed"])
-def test_mamba2_and_short_conv_hybrids_cp2(pool2: DistPool, root: str, name: str, kind: str) -> None:
-    """Bamba (Mamba2's SSD scan) and LFM3 (a gated short convolution of kernel 7) under cp=2."""
+def test_recurrent_hybrids_cp2(pool2: DistPool, root: str, name: str, kind: str) -> None:
+    """Bamba (Mamba2's SSD scan), LFM3 (a gated short convolution of kernel 7) and Jamba (Mamba1's
+    selective scan: a per-channel decay, beside MoE layers) under cp=2."""
     cpwork.check(_ready(pool2, 2), models.build(name, root), cpwork.batch(kind))
 
 
 @pytest.mark.parametrize(("name", "kind", "cp", "mode"), [
     ("bamba", "padded", 4, "allgather"),  # each rank's chunks of 2 tokens, shorter than the SSD's chunks of 4
     ("lfm3", "plain", 4, "allgather"),  # the convolution's halo of 6 spans the 3 rows-of-2 chunks before
+    ("jamba", "packed", 4, "allgather"),  # Mamba1's state through 3 chunks before the last, its halo of 3 over 2
     ("bamba", "plain", 2, "ulysses"), ("lfm3", "padded", 2, "ulysses"),  # recurrent layers beside Ulysses attention
-], ids=["bamba-cp4", "lfm3-cp4", "bamba-ulysses", "lfm3-ulysses"])
-def test_mamba2_and_short_conv_hybrids_cp4_and_ulysses(pool2: DistPool, pool4: DistPool, root: str, name: str,
+    ("jamba", "padded", 2, "ulysses"),
+], ids=["bamba-cp4", "lfm3-cp4", "jamba-cp4", "bamba-ulysses", "lfm3-ulysses", "jamba-ulysses"])
+def test_recurrent_hybrids_cp4_and_ulysses(pool2: DistPool, pool4: DistPool, root: str, name: str,
                                                        kind: str, cp: int, mode: str) -> None:
     pool = _ready(pool4 if cp == 4 else pool2, cp, mode)
     cpwork.check(pool, models.build(name, root), cpwork.batch(kind))

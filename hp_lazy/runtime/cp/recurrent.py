@@ -2,8 +2,8 @@
 kernels as the local computation, in the zigzag order the attention layers use (no reordering
 all-to-all): the gated delta rule (Gated DeltaNet: Qwen3-Next, Qwen3.5, OLMo-hybrid, Lara), its
 per-channel-decay form (KDA: Kimi Linear, Bailing-hybrid, GLM-5-Next), Mamba2's state space scan
-(Bamba, Falcon-H1, Nemotron-H, GraniteMoE-hybrid, Zamba2) and the short causal convolutions all of
-them (and LFM's and Inkling's convolution layers) run first.
+(Bamba, Falcon-H1, Nemotron-H, GraniteMoE-hybrid, Zamba2), Mamba1's selective scan (Jamba) and
+the short causal convolutions all of them (and LFM's and Inkling's convolution layers) run first.
 
 A rank holds two chunks of ``c`` tokens of the global sequence: chunk ``r`` and chunk
 ``2C - 1 - r`` (:mod:`.zigzag`). Every kernel mixes tokens only forward in time, so each chunk needs
@@ -25,6 +25,11 @@ only what precedes it:
   transitions, ``2C`` small matmuls) and adds ``q_eff S_in`` to its outputs. Autograd runs through
   all of it (the all-gather's backward reduce-scatters the gradients of ``A`` and ``F`` to the
   chunks they came from).
+- **Mamba1** decays every entry of its ``[D, N]`` state on its own (a per-channel, per-step
+  ``exp(A dt)``), so no axis is independent of the others in the way the identity needs; its maps
+  are elementwise instead: ``S_out = P * S_in + F`` with ``P = exp(A sum dt)``. ``F`` and the
+  carried part of the outputs are computed in torch beside the kernel (:func:`_selective`), in
+  blocks of tokens recomputed in backward; per rank ``2 x 2 x B x D x N`` values gathered.
 
 Packed documents: transformers' torch kernels reset neither the state nor the convolution at a
 document boundary unless the caller passes ``cu_seqlens`` / ``seq_idx``; neither does this (and
@@ -32,8 +37,8 @@ those arguments are refused under cp). Padding: the model zeroes padded tokens' 
 the 2-D mask from ``create_recurrent_attention_mask``, which under cp returns this rank's rows.
 
 A layer is split when every module-level function its forward calls is one of :data:`KNOWN` and
-it calls the convolution (:func:`supports`); anything else (Mamba1's per-channel scan, a lightning
-attention) is refused at load. Installed per modeling module (:func:`install`) by wrapping the
+it calls the convolution (:func:`supports`); anything else (a lightning attention) is refused at
+load. Installed per modeling module (:func:`install`) by wrapping the
 module-level functions the layers call (after any hub kernel took their place) and
 ``create_recurrent_attention_mask``; outside a context-parallel forward each wrapper calls
 through unchanged. The fused Mamba2 path (``mamba2_split_conv1d_scan_combined``, a CUDA kernel)
@@ -63,12 +68,16 @@ RULE = "torch_chunk_gated_delta_rule"
 KDA = "chunk_kimi_delta_attention"
 SCAN = "mamba2_scan_forward"
 SSD = "mamba2_chunk_scan"
+MAMBA = "mamba_scan_forward"
+"""Mamba1's scan with its cache (Jamba, Mamba, FalconMamba): calls :data:`SELECTIVE`."""
+SELECTIVE = "mamba_selective_scan"
 FUSED = "mamba2_split_conv1d_scan_combined"
 MASK = "create_recurrent_attention_mask"
 DECODE = ("torch_recurrent_gated_delta_rule", "recurrent_kimi_delta_attention", "causal_conv1d_update",
-          "mamba2_selective_state_update")
+          "mamba2_selective_state_update", "mamba_selective_state_update")
 """One-token (cached) steps: a cache is refused under cp before any layer runs."""
-KNOWN = frozenset({CONV, CONV_FN, RULE, KDA, SCAN, SSD, FUSED, "apply_mask_to_padding_states", *DECODE})
+KNOWN = frozenset({CONV, CONV_FN, RULE, KDA, SCAN, SSD, FUSED, MAMBA, SELECTIVE, "apply_mask_to_padding_states",
+                   *DECODE})
 """The module-level functions a recurrent layer's forward may call to be split (transformers 5.24's
 layers call the convolution as ``causal_conv1d_fn`` and Mamba2's ``mamba2_chunk_scan`` directly)."""
 WRAPPED = "hp_cp_wrapped"
@@ -89,13 +98,13 @@ def supports(module: torch.nn.Module) -> bool:
               and not isinstance(vars(modeling)[n], type)}
     direct = CONV_FN in called and hasattr(modeling, CONV)  # install wraps CONV_FN only where CONV is absent
     return bool(called & {CONV, CONV_FN}) and called <= KNOWN and not direct \
-        and (SCAN not in called or hasattr(modeling, SSD))
+        and (SCAN not in called or hasattr(modeling, SSD)) and (MAMBA not in called or hasattr(modeling, SELECTIVE))
 
 
 def install(modeling: ModuleType) -> None:
     """Wrap ``modeling``'s kernels and recurrent-mask builder (idempotent)."""
     wrappers = ((CONV, _conv), (CONV_FN, _conv_fn), (RULE, _rule), (KDA, _rule), (SSD, _ssd), (FUSED, _declined),
-                (MASK, _mask))
+                (SELECTIVE, _selective), (MASK, _mask))
     for name, wrap in wrappers:
         if name == CONV_FN and hasattr(modeling, CONV):  # 5.25: the forward calls CONV, which calls CONV_FN
             continue
@@ -262,6 +271,77 @@ def _ssd(fn: Callable[..., Any]) -> Callable[..., Any]:
         return torch.cat(fixed.split(b, dim=0), dim=1)
 
     return ssd
+
+
+def _selective(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Mamba1's selective scan (``hidden_states, dt [B, D, L], A [D, N], B, C [B, N, L]``; state
+    ``[D, N]``): every state entry is its own scalar recurrence ``h_t = exp(A dt_t) h_(t-1) + dt_t
+    x_t B_t``, so a chunk maps the state it starts from to ``P * S + F`` (elementwise; ``P =
+    exp(A sum dt)``), and its outputs to ``out0 + sum_n C_t exp(A cumsum dt) S``. The kernel gives
+    ``out0`` (no gate: it applies after the carried part); ``F`` and the carried part are computed
+    here in torch (:func:`_carry`), so the gradients are exact whatever kernel runs (mamba_ssm's
+    returns no gradient for its last state)."""
+
+    @functools.wraps(fn)
+    def selective(hidden_states: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b_in: torch.Tensor,
+                  c_in: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        state = current()
+        if state is None:
+            return fn(hidden_states, dt, a, b_in, c_in, *args, **kwargs)
+        if args or kwargs.get("return_last_state") or b_in.dim() != 3 or c_in.dim() != 3:
+            raise _refuse(f"{SELECTIVE} with positional arguments after C, a returned state or grouped B / C",
+                          "the wrapper reads its arguments by name and passes the state between ranks itself")
+        gate, bias = kwargs.pop("z", None), kwargs.get("delta_bias")
+        b = hidden_states.shape[0]
+        x, step, b2, c2 = (torch.cat(_chunks(state, t, 2), dim=0) for t in (hidden_states, dt, b_in, c_in))
+        out = fn(x, step, a, b2, c2, z=None, **kwargs)
+        work = torch.promote_types(x.dtype, torch.float32)  # the kernel's precision: float32, or float64
+        step = step.to(work) + (bias.to(work)[:, None] if bias is not None else 0.0)
+        step = torch.nn.functional.softplus(step) if kwargs.get("delta_softplus") else step
+        a = a.to(work)
+        cum = step.cumsum(-1)  # [2B, D, c]
+        final = _checkpointed(_final, a, cum, step * x.to(work), b2.to(work))  # [2B, D, N]
+        decay = (a * cum[..., -1:]).exp()  # the chunk's P, [2B, D, N]
+        s_in = _starts(state, torch.stack([decay, final], dim=-1), final.new_zeros(b, *a.shape),
+                       lambda m, s: m[..., 0] * s + m[..., 1])
+        fixed = out + _checkpointed(_carried, a, cum, s_in, c2.to(work)).to(out.dtype)
+        if gate is not None:
+            fixed = fixed * torch.nn.functional.silu(torch.cat(_chunks(state, gate, 2), dim=0))
+        return torch.cat(fixed.split(b, dim=0), dim=-1)
+
+    return selective
+
+
+CARRY_TOKENS = 256
+"""Tokens per block of :func:`_final` / :func:`_carried`: bounds their ``[2B, D, tokens, N]`` decays."""
+
+
+def _checkpointed(fn: Callable[..., torch.Tensor], a: torch.Tensor, cum: torch.Tensor, *rest: torch.Tensor
+                  ) -> torch.Tensor:
+    """``fn`` over blocks of :data:`CARRY_TOKENS` tokens, summed (a state) or joined (outputs),
+    each block recomputed in backward rather than saved: no ``[2B, D, c, N]`` tensor is kept."""
+    from torch.utils.checkpoint import checkpoint
+
+    c = cum.shape[-1]
+    parts = [checkpoint(fn, a, cum, t0, min(t0 + CARRY_TOKENS, c), *rest, use_reentrant=False)
+             for t0 in range(0, c, CARRY_TOKENS)]
+    return torch.stack(parts).sum(0) if fn is _final else torch.cat(parts, dim=-1)
+
+
+def _final(a: torch.Tensor, cum: torch.Tensor, t0: int, t1: int, inputs: torch.Tensor, b_in: torch.Tensor
+           ) -> torch.Tensor:
+    """The state tokens ``[t0, t1)`` leave at the chunk's end from a zero start:
+    ``sum_t exp(A (cum_end - cum_t)) dt_t x_t B_t``, ``[2B, D, N]``."""
+    decays = (a[None, :, None, :] * (cum[..., -1:] - cum[..., t0:t1])[..., None]).exp()  # [2B, D, t, N]
+    return torch.einsum("bdtn,bdt,bnt->bdn", decays, inputs[..., t0:t1], b_in[..., t0:t1])
+
+
+def _carried(a: torch.Tensor, cum: torch.Tensor, t0: int, t1: int, s_in: torch.Tensor, c_in: torch.Tensor
+             ) -> torch.Tensor:
+    """What the state ``s_in`` the chunk starts from adds to outputs ``[t0, t1)``:
+    ``sum_n C_t exp(A cum_t) s_in``, ``[2B, D, t]``."""
+    decays = (a[None, :, None, :] * cum[..., t0:t1, None]).exp()  # [2B, D, t, N]
+    return torch.einsum("bdtn,bdn,bnt->bdt", decays, s_in, c_in[..., t0:t1])
 
 
 def _declined(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -8,8 +8,8 @@ Bound per model (the walker calls it like every style, :mod:`hp_lazy.runtime.sty
   own, dropout); attention sinks and logit softcapping run in the blockwise attention, DSA's
   top-k selection through :mod:`.indexed`;
 - ``finish``: the model's layer types must all be attention (full, sliding, chunked, DSA's indexed) or recurrent layers
-  :mod:`.recurrent` splits (Gated DeltaNet, KDA, Mamba2, short convolutions: state passed between
-  ranks; others, Mamba1 or lightning attention, mix tokens outside attention and are refused),
+  :mod:`.recurrent` splits (Gated DeltaNet, KDA, Mamba2, Mamba1, short convolutions: state passed
+  between ranks; others, lightning attention, mix tokens outside attention and are refused),
   every attention module of the text stack must
   be one the plan names, the text stack's attention implementation becomes
   :data:`~hp_lazy.runtime.cp.attention.KEY` (a tower with a config of its own — a vision or
@@ -119,7 +119,7 @@ class ContextParallelStyle:
                 raise ShardingError(
                     f"{family}: layer {i} is a {kind!r} layer, which mixes tokens along the sequence outside "
                     f"attention; context parallel splits only {sorted(ATTENTION_LAYERS)} layers and recurrent "
-                    "layers on transformers' Gated DeltaNet, KDA, Mamba2 and short-convolution kernels; train "
+                    "layers on transformers' Gated DeltaNet, KDA, Mamba2, Mamba1 and short-convolution kernels; train "
                     "without cp"
                 )
         for modeling in {id(type(m)): sys.modules[type(m).__module__] for m in mixers}.values():
