@@ -15,7 +15,10 @@
 returns the results. A worker's exception fails the call with its traceback text; a call that does
 not finish within ``timeout`` seconds fails too, and the pool restarts on its next use (a rank
 stuck in a collective cannot be recovered); start-up gets at least 120 s. Workers are forked from a forkserver that imported
-torch once for the whole session, so a pool starts in well under a second after the first. Each
+torch and ``transformers.modeling_utils`` once for the whole session, so a pool starts in well under a second after the
+first (importing ``modeling_utils`` in every worker cost the suite about 45% of its pool-heavy modules' time). The
+modeling modules hp_lazy rewrites are imported in the workers, after ``activate``: the order of a script that imports
+transformers first; scripts that activate first are run by the README, example and benchmark tests. Each
 worker has the torchrun env (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK) set, one
 intra-op thread, and ``GLOO_SOCKET_IFNAME=lo``.
 
@@ -51,7 +54,7 @@ def _context() -> Any:
     if _CTX is None:
         os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by the forkserver
         _CTX = mp.get_context("forkserver")
-        _CTX.set_forkserver_preload(["torch", "torch.distributed"])
+        _CTX.set_forkserver_preload(["torch", "torch.distributed", "transformers.modeling_utils"])
     return _CTX
 
 
