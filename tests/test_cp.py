@@ -187,13 +187,14 @@ def test_keys_from_outside_the_split_sequence_are_refused() -> None:
 
 
 def test_recurrent_layers_cp_cannot_split_are_refused_by_layer(ready) -> None:
-    """Jamba's Mamba (1) layers, whose scan decays per channel: refused at load, naming the layer and what splits."""
+    """MiniMax's lightning attention (a linear attention in the class's own forward, no kernel cp
+    wraps): refused at load, naming the layer and what splits."""
     pool, root = ready
-    got = pool.run(cpwork.error, models.build("jamba", root), {"input_ids": models.batch()})
-    assert got == ["ShardingError: JambaForCausalLM: layer 0 is a 'linear_attention' layer, which mixes tokens along "
+    got = pool.run(cpwork.error, models.build("minimax", root), {"input_ids": models.batch()})
+    assert got == ["ShardingError: MiniMaxForCausalLM: layer 0 is a 'linear_attention' layer, which mixes tokens along "
                    "the sequence outside attention; context parallel splits only ['chunked_attention', "
-                   "'full_attention', 'sliding_attention'] layers and recurrent layers on transformers' Gated DeltaNet, KDA, Mamba2 and "
-                   "short-convolution kernels; train without cp"] * 2
+                   "'full_attention', 'sliding_attention'] layers and recurrent layers on transformers' Gated DeltaNet, "
+                   "KDA, Mamba2, Mamba1 and short-convolution kernels; train without cp"] * 2
 
 
 @pytest.mark.parametrize(("data", "expected"), REFUSED, ids=[e.split(" under")[0][:30] for _, e in REFUSED])
