@@ -72,25 +72,46 @@ def reference(path: str, data: dict[str, Any]) -> dict[str, Any]:
     return run(load(path), data)
 
 
-def check(pool, path: str, data: dict[str, Any], floor: dict[str, float] | None = None) -> None:
+def check(pool, path: str, data: dict[str, Any], floor: dict[str, float] | None = None, compile: str | None = None
+          ) -> list[dict[str, Any]]:
     """``train`` on every rank of ``pool`` against one process: rank 0 everything (``parity.compare``,
-    with one process's own ``floor``), every other rank the global loss and the gathered logits."""
+    with one process's own ``floor``), every other rank the global loss and the gathered logits.
+    ``compile``: the model ``model.compile(backend=compile)``d first (one process runs eagerly)."""
     import parity
 
     ref = reference(path, data)
-    results = pool.run(train, path, data)
+    results = pool.run(train, path, data, compile)
     parity.compare(results[0], ref, floor)
     for other in results[1:]:
         assert models.rel_err(other["loss"], ref["loss"]) <= parity.TOL
         assert models.rel_err(other["logits"], ref["logits"]) <= parity.TOL
+    return results
 
 
-def train(rank: int, world: int, path: str, data: dict[str, Any]) -> dict[str, Any]:
+def train(rank: int, world: int, path: str, data: dict[str, Any], compile: str | None = None) -> dict[str, Any]:
     import hp_lazy
 
-    result = run(load(path), data, gather=hp_lazy.gather_sequence, full_grads=hp_lazy.full_grads,
+    model = load(path)
+    breaks = compiled(model, compile)
+    result = run(model, data, gather=hp_lazy.gather_sequence, full_grads=hp_lazy.full_grads,
                  full_state_dict=hp_lazy.full_state_dict)
+    if compile:
+        result["graph_breaks"] = dict(breaks)
     return result if rank == 0 else {"loss": result["loss"], "logits": result["logits"]}
+
+
+def compiled(model, backend: str | None) -> Any:
+    """``model.compile(backend=backend)`` (nothing for None; dynamo reset first); returns dynamo's
+    graph-break counter (reason -> count), filled as the model runs."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    if backend is None:
+        return {}
+    torch._dynamo.reset()
+    counters.clear()
+    model.compile(backend=backend)
+    return counters["graph_break"]
 
 
 def count(rank: int, world: int, path: str, data: dict[str, Any]) -> dict[str, dict[str, int]]:

@@ -156,15 +156,18 @@ def _dp_tools():
 
 def train(rank: int, world: int, path: str, data: dict[str, Any], impl: str = "grouped_mm",
           grads: bool = True, config: dict[str, Any] | None = None, local_aux: bool = False,
-          dtype: str = "float32", register: bool = False) -> dict[str, Any]:
-    """``register``: a module registered under the bound model before training (a refresh)."""
+          dtype: str = "float32", register: bool = False, compile: str | None = None) -> dict[str, Any]:
+    """``register``: a module registered under the bound model before training (a refresh);
+    ``compile``: the model ``model.compile(backend=compile)``d (:func:`cpwork.compiled`)."""
     import sys
 
+    import cpwork
     import torch
 
     import hp_lazy
 
     model = hp_lazy.parallelize(load(path, impl, config, dtype))
+    breaks = cpwork.compiled(model, compile)
     if register:
         model.add_module("probe", torch.nn.Identity())
     module = sys.modules[type(model).__module__]
@@ -178,7 +181,8 @@ def train(rank: int, world: int, path: str, data: dict[str, Any], impl: str = "g
     if local_aux and original is not None:
         module.load_balancing_loss_func = restore
     result["local_experts"] = [m.num_experts for n, m in model.named_modules() if n.endswith("mlp.experts")]
-    keep = ("loss", "logits", "routing", "local_experts", "norm", "aux")
+    result["graph_breaks"] = dict(breaks)
+    keep = ("loss", "logits", "routing", "local_experts", "norm", "aux", "graph_breaks")
     return result if rank == 0 else {k: result[k] for k in keep if k in result}
 
 
@@ -244,14 +248,15 @@ def activate(rank: int, world: int, **degrees: int) -> None:
     hp_lazy.activate("auto", **degrees)
 
 
-def check(pool, path: str, impl: str = "grouped_mm", dtype: str = "float32") -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def check(pool, path: str, impl: str = "grouped_mm", dtype: str = "float32", compile: str | None = None
+          ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """``train`` on every rank of ``pool`` against one process on the global batch: the routing
     (top-k indices) equal, loss and logits on every rank, everything on rank 0 (``parity.compare``)."""
     import parity
 
     data = batch()
     ref = reference(path, data, impl, dtype=dtype)
-    results = pool.run(train, path, data, impl, dtype=dtype)
+    results = pool.run(train, path, data, impl, dtype=dtype, compile=compile)
     for got in results:
         for mine, theirs in zip(got["routing"], ref["routing"], strict=True):
             assert (mine == theirs).all()

@@ -1,7 +1,11 @@
 """``torch.compile`` of an hp_lazy model before its first forward (``torch.compile(model)`` and
 ``model.compile()``) and after ``parallelize``: binding happens outside the traced region, the step
 is one graph with no graph break, and logits, loss, every gradient and three SGD steps equal one
-process's (backend ``eager``: dynamo's capture is what is under test, and it is cheap on CPU)."""
+process's (backend ``eager``: dynamo's capture is what is under test, and it is cheap on CPU).
+
+Under context and expert parallel the compiled step is exact too, with graph breaks: cp's per-call
+state (a context variable, host-side plans of the blockwise attention) and each experts module
+under ep (its dispatch runs eagerly: the row counts are data, read to the host)."""
 
 from __future__ import annotations
 
@@ -11,6 +15,8 @@ import pytest
 from dist import DistPool, pool_fixture
 
 pool2 = pool_fixture(2, timeout=180)
+cp_pool = pool_fixture(2, timeout=180)  # activations of their own (pool2 keeps its tp plan)
+ep_pool = pool_fixture(2, timeout=180)
 
 
 def _compiled(rank: int, world: int, path: str, ids, how: str) -> dict:
@@ -115,3 +121,25 @@ def test_compiled_peft_model(when: str, peft_ref, pool2: DistPool) -> None:
     assert [r["graph_breaks"] for r in results] == [0, 0] and results[0]["graphs"] == 1
     assert [r["bound_in_trace"] for r in results] == [False, False]  # PeftModel binds it before tracing
     assert max(parity.compare(results[0], ref).values()) <= parity.TOL
+
+
+@pytest.mark.parametrize("kind", ["plain", "packed"])
+def test_compiled_model_under_cp(kind: str, cp_pool: DistPool, refs) -> None:
+    """``model.compile()`` at cp=2: one process's numbers; the graph breaks are cp's bookkeeping."""
+    import cpwork
+
+    parity.once(cp_pool, cpwork.activate, 2, 1)
+    results = cpwork.check(cp_pool, models.build("llama", refs.root), cpwork.batch(kind), compile="eager")
+    assert results[0]["graph_breaks"], results[0]["graph_breaks"]  # compiled, in pieces (not a silent eager run)
+
+
+def test_compiled_model_under_ep(ep_pool: DistPool, refs) -> None:
+    """``model.compile()`` at ep=2: one process's numbers, and the only graph breaks are the
+    experts modules' dispatch (run eagerly: before, dynamo failed inside its variable all-to-all)."""
+    import epwork
+
+    parity.once(ep_pool, epwork.activate, ep=2)
+    results, _ = epwork.check(ep_pool, models.build("qwen3_moe", refs.root), compile="eager")
+    for got in results:
+        reasons = {reason.split("\n")[0] for reason in got["graph_breaks"]}
+        assert reasons == {"Skip calling `torch.compiler.disable()`d function"}, got["graph_breaks"]

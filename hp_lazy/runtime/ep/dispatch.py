@@ -20,7 +20,8 @@ Dropless, no sentinel rows. Every rank issues every collective whatever the coun
 output is kept connected to the received rows and to every expert parameter (``+ 0 * sum``):
 a rank that receives no rows still runs the backward all-to-all its peers wait for, and its
 experts get zero gradients rather than ``None`` (weight decay still applies to them).
-Collectives per layer: forward 3 all-to-alls (counts, rows, rows back), backward 2.
+Collectives per layer: forward 3 all-to-alls (counts, rows, rows back), backward 2. Under
+``torch.compile`` the region runs eagerly (:func:`_eager`): a graph break per experts module.
 The per-expert counts of step 2 are kept on the module for :func:`~hp_lazy.runtime.ep.load.expert_load`.
 
 :func:`keep_local` is the region ``tp_experts``: the experts split by expert over ranks that hold
@@ -83,7 +84,15 @@ class ExpertDispatch(_Module):
                 )
             index, weights = routing[spec.routing[0]], routing[spec.routing[1]]
         run = keep_local if spec.local else split_tokens if spec.split is not None else dispatch
-        return run(self, super().forward, spec, hidden_states, index, weights)
+        return _eager(run, self, super().forward, spec, hidden_states, index, weights)
+
+
+@torch.compiler.disable
+def _eager(run: Any, *args: Any) -> torch.Tensor:
+    """The region, run eagerly under ``torch.compile``: its row counts are data (read to the host
+    once per layer), which dynamo cannot carry into the variable-split all-to-alls (torch 2.13-2.14
+    fail inside dynamo on them). The model compiles around each experts module: a graph break there."""
+    return run(*args)
 
 
 def connect(out: torch.Tensor, rows: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
