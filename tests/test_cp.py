@@ -241,6 +241,18 @@ def test_stock_trainer_under_cp(ready, tmp_path, name: str) -> None:
     assert [g["total_batch"] for g in got] == [ref["total_batch"]] * 2
 
 
+def test_stock_trainer_with_torch_compile_under_cp(ready, tmp_path) -> None:
+    """``TrainingArguments(torch_compile=True)`` (backend eager) under cp=2: one process's numbers."""
+    import trainwork
+
+    pool, root = ready
+    path = models.build("llama_gqa", root)
+    ref = trainwork.trainer(0, 1, path, str(tmp_path / "ref"))
+    got = pool.run(trainwork.trainer, path, str(tmp_path / "hp"), torch_compile="eager")
+    assert got[0]["wrapped"] == "OptimizedModule", got[0]["wrapped"]  # the Trainer compiled it
+    trainwork.compare_trainer(got[0], ref)
+
+
 def test_stock_trainer_with_gradient_checkpointing_under_cp(ready, tmp_path) -> None:
     """``TrainingArguments(gradient_checkpointing=True)`` under cp=2 with PEFT LoRA on the model."""
     import trainwork

@@ -36,6 +36,16 @@ def test_trainer_under_ep(ready, tmp_path, optim: str) -> None:
     assert [g["total_batch"] for g in got] == [ref["total_batch"]] * 2
 
 
+def test_trainer_with_torch_compile_under_ep(ready, tmp_path) -> None:
+    """``TrainingArguments(torch_compile=True)`` (backend eager) under ep=2: one process's numbers
+    (the experts' dispatch runs eagerly between the compiled graphs)."""
+    pool, path = ready
+    ref = trainwork.trainer(0, 1, path, str(tmp_path / "ref"))
+    got = pool.run(trainwork.trainer, path, str(tmp_path / "hp"), torch_compile="eager")
+    assert got[0]["wrapped"] == "OptimizedModule", got[0]["wrapped"]  # the Trainer compiled it
+    trainwork.compare_trainer(got[0], ref)
+
+
 @pytest.mark.parametrize("optim", ["sgd", "adamw_torch"])
 def test_trainer_resumes_under_ep(ready, tmp_path, optim: str) -> None:
     """save_steps=2 with the optimizer state, then resume_from_checkpoint, against one process doing

@@ -47,10 +47,12 @@ class Rows:
 
 def trainer(rank: int, world: int, path: str, out: str, optim: str = "sgd", ga: int = 1,
             parallelize: bool = False, max_grad_norm: float = 1.0, data_parallel: bool | None = None,
-            lora: bool = False, gradient_checkpointing: bool = False) -> dict[str, Any]:
+            lora: bool = False, gradient_checkpointing: bool = False, torch_compile: str | None = None
+            ) -> dict[str, Any]:
     """``Trainer(model=model, args=TrainingArguments(...), train_dataset=...).train()``, 3 steps;
     every rank returns its log (loss and grad_norm per step), rank 0 the full parameters too.
-    ``lora``: the model is PEFT's ``get_peft_model`` of the loaded one (adapters trained, base frozen)."""
+    ``lora``: the model is PEFT's ``get_peft_model`` of the loaded one (adapters trained, base frozen);
+    ``torch_compile``: ``TrainingArguments(torch_compile=True, torch_compile_backend=...)``."""
     import test_peft
     import torch
     from transformers import Trainer, TrainingArguments
@@ -68,6 +70,7 @@ def trainer(rank: int, world: int, path: str, out: str, optim: str = "sgd", ga: 
         max_steps=3, logging_steps=1, report_to=[], optim=optim, learning_rate=lr, weight_decay=0.01,
         max_grad_norm=max_grad_norm, save_strategy="no", use_cpu=True, disable_tqdm=True,
         gradient_checkpointing=gradient_checkpointing,
+        **({"torch_compile": True, "torch_compile_backend": torch_compile} if torch_compile else {}),
     )
     run = Trainer(model=model, args=args, train_dataset=Rows())
     run.train()
