@@ -28,7 +28,8 @@ def root(tmp_path_factory) -> str:
                                             ("qwen3_sliding", "packed"), ("llama_gqa", "padded"), ("phi3", "plain"),
                                             ("deepseek_v2", "plain"),  # MLA: latent heads cut on tp
                                             ("gpt_oss", "packed"), ("gemma2", "plain"),  # sinks cut with their heads; softcap
-                                            ("deepseek_v32", "padded")])  # DSA: the indexer whole on each tp rank
+                                            ("deepseek_v32", "padded"),  # DSA: the indexer whole on each tp rank
+                                            ("jamba", "padded")])  # Mamba1 layers beside tp-cut attention and MoE
 def test_cp2_tp2(cp2tp2: DistPool, root: str, name: str, kind: str) -> None:
     cpwork.check(_ready(cp2tp2, 2, 2), models.build(name, root), cpwork.batch(kind))
 
