@@ -69,7 +69,7 @@ KDA = "chunk_kimi_delta_attention"
 SCAN = "mamba2_scan_forward"
 SSD = "mamba2_chunk_scan"
 MAMBA = "mamba_scan_forward"
-"""Mamba1's scan with its cache (Jamba, Mamba, FalconMamba): calls :data:`SELECTIVE`."""
+"""Mamba1's scan with its cache (Jamba's mixer calls it): calls :data:`SELECTIVE`."""
 SELECTIVE = "mamba_selective_scan"
 FUSED = "mamba2_split_conv1d_scan_combined"
 MASK = "create_recurrent_attention_mask"
@@ -279,7 +279,7 @@ def _selective(fn: Callable[..., Any]) -> Callable[..., Any]:
     x_t B_t``, so a chunk maps the state it starts from to ``P * S + F`` (elementwise; ``P =
     exp(A sum dt)``), and its outputs to ``out0 + sum_n C_t exp(A cumsum dt) S``. The kernel gives
     ``out0`` (no gate: it applies after the carried part); ``F`` and the carried part are computed
-    here in torch (:func:`_carry`), so the gradients are exact whatever kernel runs (mamba_ssm's
+    here in torch (:func:`_final`, :func:`_carried`), so the gradients are exact whatever kernel runs (mamba_ssm's
     returns no gradient for its last state)."""
 
     @functools.wraps(fn)
