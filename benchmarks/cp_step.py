@@ -59,18 +59,23 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--batches", default="plain", help="comma list of plain, packed, padded")
-    p.add_argument("--model", default="llama", choices=("llama", "qwen3_next"),
-                   help="qwen3_next: a Gated DeltaNet hybrid (layer 0 linear attention, layer 1 full attention)")
+    p.add_argument("--model", default="llama", choices=("llama", "qwen3_next", "jamba"),
+                   help="qwen3_next: a Gated DeltaNet hybrid (layer 0 linear attention, layer 1 full attention); "
+                        "jamba: a Mamba1 hybrid (layer 0 Mamba, layer 1 attention)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, one repeat of one step (overrides the sizes)")
     args = p.parse_args(argv)
     if args.smoke:
         args.seqs, args.hidden, args.layers, args.steps, args.repeats = "64", 32, 1, 1, 1
         args.batches = "padded"  # masked tiles and skipped ones (packed batches: tests/test_cp*.py)
-        if args.model == "qwen3_next":
+        if args.model in ("qwen3_next", "jamba"):
             args.layers, args.batches = 2, "padded"  # both layer kinds; the recurrent layers' padding mask
     if set(args.batches.split(",")) - set(BATCHES):
         p.error(f"--batches: {args.batches!r}: each must be one of {', '.join(BATCHES)}")
     return args
+
+
+MODELS = {"llama": "Llama", "qwen3_next": "Qwen3-Next-style hybrid (Gated DeltaNet + attention, dense MLPs)",
+          "jamba": "Jamba-style hybrid (Mamba1 + attention, dense MLPs)"}
 
 
 def _build(args: argparse.Namespace, root: str, seq: int) -> str:
@@ -88,6 +93,11 @@ def _build(args: argparse.Namespace, root: str, seq: int) -> str:
             **common, head_dim=head, linear_num_key_heads=args.kv_heads, linear_num_value_heads=args.heads,
             linear_key_head_dim=head, linear_value_head_dim=head, mlp_only_layers=list(range(args.layers)),
             layer_types=["linear_attention" if i % 2 == 0 else "full_attention" for i in range(args.layers)],
+        )
+    elif args.model == "jamba":  # dense MLPs (one expert): the step is the sequence mixers' (Mamba1, attention)
+        config = transformers.JambaConfig(
+            **common, num_experts=1, attn_layer_period=2, attn_layer_offset=1, mamba_d_state=16, mamba_d_conv=4,
+            mamba_expand=2, mamba_dt_rank=max(1, args.hidden // 16),
         )
     else:
         config = transformers.LlamaConfig(**common)
@@ -229,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     lines = [
         f"cp={args.world} on {args.world} ranks vs one process ({args.world} threads); "
-        f"{'Qwen3-Next-style hybrid (Gated DeltaNet + attention, dense MLPs)' if args.model == 'qwen3_next' else 'Llama'} "
+        f"{MODELS[args.model]} "
         f"hidden {args.hidden}, "
         f"{args.layers} layers, {args.heads} heads ({args.kv_heads} K/V), batch 1, fp32, {args.steps} steps x "
         f"{args.repeats} repeats (medians); saved = bytes autograd keeps for backward per rank; peak = resident "
