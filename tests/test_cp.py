@@ -215,11 +215,12 @@ def test_stock_clip_grad_norm_gives_one_process_norm(ready) -> None:
 
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
 @pytest.mark.parametrize("kind", ["plain", "packed"])
-def test_gradient_checkpointing_recomputes_inside_the_call(ready, reentrant: bool, kind: str) -> None:
+@pytest.mark.parametrize("name", ["llama", "jamba"])  # Jamba: Mamba1's own checkpointed blocks nested in the layer's
+def test_gradient_checkpointing_recomputes_inside_the_call(ready, reentrant: bool, kind: str, name: str) -> None:
     """The recompute runs in backward, after the forward left its context-parallel state: it runs
     inside that state again (it crashed: "attention ran outside a context-parallel forward")."""
     pool, root = ready
-    path, data = models.build("llama", root), cpwork.batch(kind)
+    path, data = models.build(name, root), cpwork.batch(kind)
     ref = cpwork.checkpointed(0, 1, path, data, reentrant)
     results = pool.run(cpwork.checkpointed, path, data, reentrant)
     parity.compare(results[0], ref)
@@ -227,7 +228,8 @@ def test_gradient_checkpointing_recomputes_inside_the_call(ready, reentrant: boo
 
 
 @pytest.mark.parametrize("name", ["llama_gqa", "qwen3_next", "gpt_oss",  # a Gated DeltaNet hybrid, attention sinks
-                                  "deepseek_v32", "llama4"])  # DSA's top-k; chunked attention and query temperature
+                                  "deepseek_v32", "llama4",  # DSA's top-k; chunked attention and query temperature
+                                  "jamba"])  # Mamba1 layers beside MoE
 def test_stock_trainer_under_cp(ready, tmp_path, name: str) -> None:
     """The stock Trainer (default args: clipping at 1.0, SGD) under cp=2: both ranks read the same
     rows, and losses, logged grad norms and parameters after 3 steps are one process's."""
