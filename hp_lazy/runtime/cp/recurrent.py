@@ -300,11 +300,11 @@ def _selective(fn: Callable[..., Any]) -> Callable[..., Any]:
         step = torch.nn.functional.softplus(step) if kwargs.get("delta_softplus") else step
         a = a.to(work)
         cum = step.cumsum(-1)  # [2B, D, c]
-        final = _checkpointed(_final, a, cum, step * x.to(work), b2.to(work))  # [2B, D, N]
+        final = torch.stack(_blocks(_final, a, cum, step * x.to(work), b2.to(work))).sum(0)  # [2B, D, N]
         decay = (a * cum[..., -1:]).exp()  # the chunk's P, [2B, D, N]
         s_in = _starts(state, torch.stack([decay, final], dim=-1), final.new_zeros(b, *a.shape),
                        lambda m, s: m[..., 0] * s + m[..., 1])
-        fixed = out + _checkpointed(_carried, a, cum, s_in, c2.to(work)).to(out.dtype)
+        fixed = out + torch.cat(_blocks(_carried, a, cum, s_in, c2.to(work)), dim=-1).to(out.dtype)
         if gate is not None:
             fixed = fixed * torch.nn.functional.silu(torch.cat(_chunks(state, gate, 2), dim=0))
         return torch.cat(fixed.split(b, dim=0), dim=-1)
@@ -316,16 +316,15 @@ CARRY_TOKENS = 256
 """Tokens per block of :func:`_final` / :func:`_carried`: bounds their ``[2B, D, tokens, N]`` decays."""
 
 
-def _checkpointed(fn: Callable[..., torch.Tensor], a: torch.Tensor, cum: torch.Tensor, *rest: torch.Tensor
-                  ) -> torch.Tensor:
-    """``fn`` over blocks of :data:`CARRY_TOKENS` tokens, summed (a state) or joined (outputs),
-    each block recomputed in backward rather than saved: no ``[2B, D, c, N]`` tensor is kept."""
+def _blocks(fn: Callable[..., torch.Tensor], a: torch.Tensor, cum: torch.Tensor, *rest: torch.Tensor
+            ) -> list[torch.Tensor]:
+    """``fn`` on each block of :data:`CARRY_TOKENS` tokens, recomputed in backward rather than
+    saved: no ``[2B, D, c, N]`` tensor is kept."""
     from torch.utils.checkpoint import checkpoint
 
     c = cum.shape[-1]
-    parts = [checkpoint(fn, a, cum, t0, min(t0 + CARRY_TOKENS, c), *rest, use_reentrant=False)
-             for t0 in range(0, c, CARRY_TOKENS)]
-    return torch.stack(parts).sum(0) if fn is _final else torch.cat(parts, dim=-1)
+    return [checkpoint(fn, a, cum, t0, min(t0 + CARRY_TOKENS, c), *rest, use_reentrant=False)
+            for t0 in range(0, c, CARRY_TOKENS)]
 
 
 def _final(a: torch.Tensor, cum: torch.Tensor, t0: int, t1: int, inputs: torch.Tensor, b_in: torch.Tensor
