@@ -64,7 +64,7 @@ def test_kernel_bytes_per_layer_do_not_grow_with_the_sequence(pool2: DistPool, w
     short, long = (pool.run(cpwork.recurrent_rule, seq, False, which)[0]["gathered"] for seq in (16, 64))
     b, h, dk, dv = 2, 3, 8, 6  # the maps (A, F) of this rank's 2 chunks, float32: [Dk, Dk + Dv] / [P + N, N]
     per_batch = {"gdn": h * dk * (dk + dv), "kda": h * dk * (dk + dv), "ssd": h * (dv + dk) * dk,
-                 "mamba1": 2 * (h * dv) * dk}  # Mamba1: (P, F) elementwise over the state [D, N], float64 here
+                 "mamba1": (h * dv) * (dk + 1)}  # Mamba1: F over the state [D, N] and sum dt [D], float64 here
     assert short == long == 2 * b * per_batch[which] * (4 if which != "mamba1" else 8)
 
 

@@ -29,7 +29,8 @@ only what precedes it:
   ``exp(A dt)``), so no axis is independent of the others in the way the identity needs; its maps
   are elementwise instead: ``S_out = P * S_in + F`` with ``P = exp(A sum dt)``. ``F`` and the
   carried part of the outputs are computed in torch beside the kernel (:func:`_selective`), in
-  blocks of tokens recomputed in backward; per rank ``2 x 2 x B x D x N`` values gathered.
+  blocks of tokens recomputed in backward; per rank ``2 x B x D x (N + 1)`` values gathered (``F``
+  and ``sum dt``: each rank makes ``P`` from ``A``, which it holds).
 
 Packed documents: transformers' torch kernels reset neither the state nor the convolution at a
 document boundary unless the caller passes ``cu_seqlens`` / ``seq_idx``; neither does this (and
@@ -301,9 +302,9 @@ def _selective(fn: Callable[..., Any]) -> Callable[..., Any]:
         a = a.to(work)
         cum = step.cumsum(-1)  # [2B, D, c]
         final = torch.stack(_blocks(_final, a, cum, step * x.to(work), b2.to(work))).sum(0)  # [2B, D, N]
-        decay = (a * cum[..., -1:]).exp()  # the chunk's P, [2B, D, N]
-        s_in = _starts(state, torch.stack([decay, final], dim=-1), final.new_zeros(b, *a.shape),
-                       lambda m, s: m[..., 0] * s + m[..., 1])
+        n = a.shape[-1]  # per chunk (F, sum dt), [2B, D, N + 1]: P = exp(A sum dt) is made on the receiving rank
+        s_in = _starts(state, torch.cat([final, cum[..., -1:]], dim=-1), final.new_zeros(b, *a.shape),
+                       lambda m, s: (a * m[..., n:]).exp() * s + m[..., :n])
         fixed = out + torch.cat(_blocks(_carried, a, cum, s_in, c2.to(work)), dim=-1).to(out.dtype)
         if gate is not None:
             fixed = fixed * torch.nn.functional.silu(torch.cat(_chunks(state, gate, 2), dim=0))
