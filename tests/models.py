@@ -146,6 +146,16 @@ MORE_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     # before it at cp=2), layer 1 attention
     "lfm3": ("Lfm3Config", {"head_dim": 8, "num_key_value_heads": 2, "layer_types": ["conv", "full_attention"],
                             "conv_L_cache": 7, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
+    # transformers 5.25's 'local_params': per-head vectors cut with their heads. GraniteSWA: attention sinks on
+    # both layers (full, then sliding window 6); MiMo-V2-Flash: sinks only on its sliding layer (1), which has
+    # twice the config's K/V heads (4, so at tp=4 one each, while layer 0's 2 sit on two ranks each);
+    # Beam: a per-head output gate bias, q/k norms (replicated_with_grad_allreduce)
+    "granite_swa": ("GraniteSWAConfig", {"num_key_value_heads": 2, "sliding_window": 6, "pad_token_id": 0,
+                                         "bos_token_id": 1, "eos_token_id": 2}),
+    "mimo_v2_flash": ("MiMoV2FlashConfig", {"num_key_value_heads": 2, "head_dim": 8, "v_head_dim": 8,
+                                            "sliding_window": 6}),
+    "beam": ("BeamConfig", {"num_key_value_heads": 2, "head_dim": 8, "sliding_window": 6, "pad_token_id": 0,
+                            "bos_token_id": 1, "eos_token_id": 2}),
     # vision-language: a vision tower with its own config (2 blocks) beside the text stack; under
     # cp the text stack splits and the tower runs whole (text-only batches; image inputs refused)
     "qwen2_vl": ("Qwen2VLConfig", {
@@ -193,7 +203,7 @@ def build(name: str, root: str, seed: int = 0) -> str:
     model = auto.from_config(config)
     with torch.no_grad():  # visible biases and norm weights, so a dropped one shows
         for pname, param in model.named_parameters():
-            if pname.endswith("bias") or "norm" in pname:
+            if pname.endswith(("bias", "sinks")) or "norm" in pname:
                 param.normal_(mean=1.0 if "norm" in pname else 0.0, std=0.1 if "norm" in pname else 0.02)
     model.save_pretrained(path)
     return path

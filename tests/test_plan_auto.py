@@ -202,6 +202,17 @@ TOY_SOURCE = textwrap.dedent(
             self.down_proj = nn.Linear(8, 8)
             self.experts = Experts()
 
+    class Attn(nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.q_proj = nn.Linear(8, 8)
+            self.o_proj = nn.Linear(8, 8)
+            self.sinks = nn.Parameter(torch.zeros(config.heads)) if config.sinks else None
+            self.table = nn.Parameter(torch.empty((4, 2)))
+
+        def forward(self, hidden_states):
+            return self.o_proj(self.q_proj(hidden_states))
+
     class Orphan(nn.Module):
         def __init__(self):
             super().__init__()
@@ -209,9 +220,10 @@ TOY_SOURCE = textwrap.dedent(
             self.b = nn.Linear(8, 8)
 
     class Layer(nn.Module):
-        def __init__(self):
+        def __init__(self, config):
             super().__init__()
             self.mlp = MLP()
+            self.attn = Attn(config)
             self.orphan = Orphan()
 
         def forward(self, h):
@@ -223,7 +235,7 @@ TOY_SOURCE = textwrap.dedent(
     class ToyModel(ToyPreTrainedModel):
         def __init__(self, config):
             super().__init__(config)
-            self.layers = nn.ModuleList([Layer() for _ in range(2)])
+            self.layers = nn.ModuleList([Layer(config) for _ in range(2)])
 
         def forward(self, ids):
             return ids
@@ -265,6 +277,69 @@ def test_packed_colwise_and_raw_expert_params(monkeypatch: pytest.MonkeyPatch) -
     assert got["model.layers.*.mlp.experts"]["in_src"] == {"hidden": R}
 
 
+ATTN = {"layers.*.attn.q_proj": "colwise", "layers.*.attn.o_proj": "rowwise", "layers.*.attn": "local_params"}
+
+
+def test_local_params_cut_per_head_vectors_with_their_heads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers 5.25: ``self_attn.sinks: colwise`` beside ``self_attn: local_params``. A vector
+    (rank 1 in the source, here behind ``if config.sinks else None``) is cut on dim 0, as
+    transformers' ``ndim - 2`` rule does, and is optional (a layer may have none)."""
+    got = toy(monkeypatch, {**ATTN, "layers.*.attn.sinks": "colwise"})
+    attn = got["model.layers.*.attn"]
+    assert attn["params"] == {**colwise("q_proj"), "o_proj.weight": {"tp": "S(1)"}, "sinks": {"tp": "S(0)"}}
+    assert attn["optional_params"] == ["o_proj.bias", "q_proj.bias", "sinks"]
+    # a matrix keeps the expert rule (dim -2), as transformers' ColwiseParallel does for ndim 2
+    assert toy(monkeypatch, {**ATTN, "layers.*.attn.table": "colwise"})["model.layers.*.attn"]["params"]["table"] \
+        == {"tp": "S(-2)"}
+    text = toy_error(monkeypatch, {**ATTN, "layers.*.attn.sinks": "rowwise"})
+    assert "['layers.*.attn.sinks'] = 'rowwise' names 'layers.*.attn.sinks', a vector: it has no input dim for " \
+           "rowwise to cut" in text
+
+
+def test_local_params_must_mark_a_boundary(monkeypatch: pytest.MonkeyPatch) -> None:
+    text = toy_error(monkeypatch, {"layers.*.attn": "local_params", "layers.*.mlp.gate_up_proj": "colwise",
+                                   "layers.*.mlp.down_proj": "rowwise"})
+    assert text == (
+        f"{TOY}: ToyConfig.base_model_tp_plan['layers.*.attn'] = 'local_params' marks a module whose raw parameters "
+        "hp_lazy shards only with an enclosing colwise -> rowwise pair, and no such pair sits directly under it; "
+        "write an explicit JSON plan for this module (Plan.from_json) instead of Plan.auto"
+    )
+
+
+def test_packed_rowwise_cuts_transposed_experts_on_their_last_dim(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Llama 4 stores its experts ``[E, in, out]``: ``gate_up_proj: packed_rowwise`` cuts the packed
+    output dim (-1) and ``down_proj: colwise`` the intermediate (-2), and they pair."""
+    got = toy(monkeypatch, {"layers.*.mlp.experts.gate_up_proj": "packed_rowwise",
+                            "layers.*.mlp.experts.down_proj": "colwise"})
+    assert got["model.layers.*.mlp.experts"]["params"] == {
+        "gate_up_proj": {"tp": "SS(-1,2)"}, "down_proj": {"tp": "S(-2)"},
+    }
+    text = toy_error(monkeypatch, {"layers.*.mlp.gate_up_proj": "colwise", "layers.*.mlp.down_proj": "packed_rowwise"})
+    assert "['layers.*.mlp.down_proj'] = 'packed_rowwise' applies to an nn.Linear; Plan.auto reads packed_rowwise " \
+           "only on raw (transposed expert) parameters" in text
+
+
+def test_replicate_keeps_a_module_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inkling's ``embed_tokens: replicate``: no vocab-parallel embedding, even where Plan.auto would
+    add transformers' implicit one."""
+    got = contracts("inkling", tp=2, vocab_parallel_embedding=True)
+    assert "model.embed_tokens" not in got and "model.layers.*.mlp" in got
+    assert "model.embed_tokens" in contracts("llama", tp=2, vocab_parallel_embedding=True)
+    plan = {"layers.*.mlp.gate_up_proj": "colwise", "layers.*.mlp.down_proj": "rowwise"}
+    assert set(toy(monkeypatch, {**plan, "embed_tokens": "replicate"}, vocab_parallel_embedding=True)) == {
+        "model.layers.*.mlp"}
+
+
+def test_head_keys_naming_no_attribute_are_dropped() -> None:
+    """``Llama4ForConditionalGeneration._tp_plan['lm_head']``: that class has no ``lm_head`` (its head
+    is ``language_model.lm_head``, planned by ``Llama4ForCausalLM``), so the key plans nothing."""
+    from hp_lazy.plan.auto.rules import head_rules
+    from hp_lazy.plan.resolve import analyze
+
+    rules = head_rules(analyze(*source("llama4")))
+    assert [r.owner for r in rules if r.key == "lm_head"] == ["Llama4ForCausalLM._tp_plan"]
+
+
 def test_colwise_without_rowwise_sibling(monkeypatch: pytest.MonkeyPatch) -> None:
     assert toy_error(monkeypatch, {"layers.*.mlp.gate_up_proj": "colwise"}) == (
         f"{TOY}: ToyConfig.base_model_tp_plan['layers.*.mlp.gate_up_proj'] = 'colwise' has no rowwise sibling under "
@@ -288,8 +363,8 @@ def test_nested_boundaries_are_rejected(monkeypatch: pytest.MonkeyPatch) -> None
 
 
 def test_unknown_styles_name_key_and_string(monkeypatch: pytest.MonkeyPatch) -> None:
-    text = toy_error(monkeypatch, {"layers.*.mlp": "local_params"})
-    assert text.startswith(f"{TOY}: ToyConfig.base_model_tp_plan['layers.*.mlp'] = 'local_params' is not a style")
+    text = toy_error(monkeypatch, {"layers.*.mlp": "sequence_gather"})
+    assert text.startswith(f"{TOY}: ToyConfig.base_model_tp_plan['layers.*.mlp'] = 'sequence_gather' is not a style")
     text = toy_error(monkeypatch, {"layers.*.mlp.experts": "gather"})
     assert "'gather' is not a style Plan.auto translates" in text
     text = toy_error(monkeypatch, {"layers.*.mlp.experts": "mla_kv_a_proj"})  # only inside an attention pair
@@ -298,13 +373,16 @@ def test_unknown_styles_name_key_and_string(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_expert_parallel_at_tp1_reads_no_tp_strings() -> None:
-    """At tp=1 nothing is cut over tp: a TP string Plan.auto cannot translate (HY-V4's attention
-    'local_params') does not stop ep, which the ep plan alone places; at tp=2 it is refused."""
-    plan = Plan.auto(tp=1, ep=2).slice(*source("hy_v4"))
+    """At tp=1 nothing is cut over tp: a TP string Plan.auto cannot translate (Qwen4-Exp's
+    'embedding_colwise') does not stop ep, which the ep plan alone places; at tp=2 it is refused."""
+    plan = Plan.auto(tp=1, ep=2).slice(*source("qwen4_exp"))
     assert [c.pattern for c in plan.contracts] == ["model.layers.*.mlp.experts"]
     assert plan.contracts[0].to_dict()["region"] == {"kind": "ep_dispatch"}
-    with pytest.raises(PlanError, match=r"\['layers.\*.self_attn'\] = 'local_params' is not a style"):
-        Plan.auto(tp=2, ep=2).slice(*source("hy_v4"))
+    with pytest.raises(PlanError, match=r"= 'embedding_colwise' is not a style"):
+        Plan.auto(tp=2, ep=2).slice(*source("qwen4_exp"))
+    hy = {c.pattern: c.to_dict() for c in Plan.auto(tp=2, ep=2).slice(*source("hy_v4")).contracts}
+    assert hy["model.layers.*.self_attn"]["params"]["sinks"] == {"tp": "S(0)"}  # 'local_params' (5.25)
+    assert hy["model.layers.*.mlp.experts"]["region"]["kind"] == "ep_dispatch"
 
 
 def test_expert_parallel_keeps_replicated_with_grad_allreduce_whole() -> None:

@@ -337,3 +337,39 @@ def test_classes_chosen_at_run_time_are_every_candidate() -> None:
     assert facts.resolve("LoopModel", "layers.0.feed_forward") == {"Moe", "MLP"}
     assert facts.resolve("LoopModel", "extra.1") == {"Moe"}
     assert facts.resolve("LoopModel", "layers.*.mixer") == {"Mamba", "Attention"}
+
+
+RANKS = textwrap.dedent(
+    '''
+    import torch
+    from torch import nn
+
+    class Attn(nn.Module):
+        def __init__(self, config, shape):
+            super().__init__()
+            self.sinks = nn.Parameter(torch.zeros(config.heads)) if config.sinks else None
+            self.scale = nn.Parameter(torch.full((config.heads,), 0.5))
+            self.experts = nn.Parameter(torch.empty(4, 8, 2))
+            self.packed = nn.Parameter(torch.empty((4, 8)))
+            self.made = nn.Parameter(torch.empty(shape))
+            self.unknown = nn.Parameter(config.init)
+            self.a, (self.b, self.c) = 1, (2, 3)
+
+    class Dynamic(Attn):
+        def __init__(self, config):
+            super().__init__(config, (1,))
+            setattr(self, config.name, nn.Linear(2, 2))
+    '''
+)
+
+
+def test_parameter_ranks_and_assigned_attributes() -> None:
+    """What ``Plan.auto`` reads for raw parameters (a vector is cut on dim 0) and for ``_tp_plan``
+    keys naming nothing (dropped only where no ``__init__`` may set the name)."""
+    facts = analyze(MOD, RANKS)
+    ranks = {p: facts.param_rank("Attn", p) for p in sorted(facts.params("Attn"))}
+    assert ranks == {"experts": 3, "made": None, "packed": 2, "scale": 1, "sinks": 1, "unknown": None}
+    assert "sinks" in facts.conditional("Attn")
+    assert all(facts.assigns("Attn", a) for a in ("a", "b", "c", "sinks"))
+    assert not facts.assigns("Attn", "lm_head")
+    assert facts.assigns("Dynamic", "lm_head")  # setattr: any name

@@ -63,6 +63,12 @@ class ClassFacts:
     conditional: frozenset[str] = frozenset()
     """Children ``__init__`` may leave out by configuration: assigned under an ``if`` or from a
     conditional expression with a ``None`` branch (MLA's ``q_proj`` / ``q_a_proj``)."""
+    assigned: frozenset[str] = frozenset()
+    """Every ``self.<attr>`` ``__init__`` assigns, whatever the value (``"*"``: it also calls
+    ``setattr`` or ``add_module``, so any name may be set)."""
+    ranks: Mapping[str, int] = field(default_factory=dict)
+    """Parameters whose number of dims the source states: ``nn.Parameter(torch.zeros(heads))`` is 1,
+    ``nn.Parameter(torch.empty((e, n, m)))`` is 3 (:func:`_rank`)."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -102,6 +108,17 @@ class ModuleFacts:
 
     def params(self, name: str) -> set[str]:
         return {p for cls in self.mro(name) for p in self.classes[cls].params}
+
+    def assigns(self, name: str, attr: str) -> bool:
+        """Whether ``__init__`` of ``name`` or of a local base may set ``self.<attr>``."""
+        return any({attr, "*"} & self.classes[cls].assigned for cls in self.mro(name))
+
+    def param_rank(self, name: str, param: str) -> int | None:
+        """The number of dims of parameter ``param`` of class ``name`` where its source states it."""
+        for cls in self.mro(name):
+            if param in self.classes[cls].params:
+                return self.classes[cls].ranks.get(param)
+        return None
 
     def constant(self, name: str, key: str) -> object:
         """A class-level literal, looked up through local bases (None if absent)."""
@@ -200,6 +217,8 @@ class _ClassScanner:
         self.node = node
         self.children: dict[str, tuple[Ref, ...]] = {}
         self.params: list[str] = []
+        self.ranks: dict[str, int] = {}
+        self.assigned: set[str] = set()
         self.conditional: set[str] = set()
         self.bound: dict[str, list[ast.expr]] = {}
         """``__init__``'s local names -> every value assigned to them (``layer_class = X if c else Y``)."""
@@ -219,6 +238,8 @@ class _ClassScanner:
             forward=methods.get("forward"),
             constants=self._constants(),
             conditional=frozenset(self.conditional),
+            assigned=frozenset(self.assigned),
+            ranks=self.ranks,
         )
 
     def _constants(self) -> dict[str, object]:
@@ -248,12 +269,16 @@ class _ClassScanner:
                 if owner is not None:
                     key = owner[len(self_name) + 1 :] if owner.startswith(self_name + ".") else owner
                     self.appended.setdefault(key, []).append(node.args[0])
+        setters = DYNAMIC_SETTERS | {f"{self_name}.{m}" for m in MODULE_SETTERS}
         for node in _walk_body(init.body):
             if isinstance(node, ast.Assign):
                 targets = node.targets
             else:
                 targets = [node.target] if isinstance(node, ast.AnnAssign) else []
             value = getattr(node, "value", None)
+            self.assigned |= _self_attrs(targets, self_name)
+            if isinstance(node, ast.Call) and dotted(node.func) in setters:
+                self.assigned.add("*")  # a name made at run time: any attribute may be set
             for target in targets:
                 if isinstance(target, ast.Attribute) and dotted(target.value) == self_name and value is not None:
                     self._assign(target.attr, value)
@@ -264,8 +289,14 @@ class _ClassScanner:
             self.children[attr] = grown
 
     def _assign(self, attr: str, value: ast.expr) -> None:
-        if isinstance(value, ast.Call) and self._qualified(value.func) in PARAMETERS:
+        made = [v for v in ((value.body, value.orelse) if isinstance(value, ast.IfExp) else (value,))
+                if isinstance(v, ast.Call) and self._qualified(v.func) in PARAMETERS]
+        if made:  # nn.Parameter(...), or nn.Parameter(...) if cond else None
             self.params.append(attr)
+            ranks = {_rank(v) for v in made}
+            rank = ranks.pop() if len(ranks) == 1 else None
+            if rank is not None:
+                self.ranks[attr] = rank
             return
         refs = self._refs(value)
         if refs:
@@ -348,6 +379,45 @@ class _ClassScanner:
 def _union(*groups: tuple[Ref, ...]) -> tuple[Ref, ...]:
     """The refs of every group, each once, in order."""
     return tuple(dict.fromkeys(ref for group in groups for ref in group))
+
+
+DYNAMIC_SETTERS = frozenset({"setattr"})
+MODULE_SETTERS = ("add_module", "register_module", "register_parameter")
+"""Calls in ``__init__`` that set an attribute named at run time."""
+SIZED = frozenset({"zeros", "ones", "empty", "randn", "rand", "full"})
+"""torch factories whose leading arguments are the size: ``zeros(a, b)``, ``zeros((a, b))``,
+``full((a,), v)``."""
+
+
+def _rank(parameter: ast.Call) -> int | None:
+    """The number of dims of ``nn.Parameter(torch.<factory>(size...))``, or None where the source
+    does not state it (a tensor made elsewhere, a starred size)."""
+    made = parameter.args[0] if parameter.args else None
+    if not isinstance(made, ast.Call) or not isinstance(made.func, ast.Attribute) or made.func.attr not in SIZED:
+        return None
+    args = made.args
+    if args and isinstance(args[0], (ast.Tuple, ast.List)):
+        sizes = args[0].elts
+    elif made.func.attr == "full":
+        sizes = args[:1]
+    else:
+        sizes = args
+    if not sizes or any(isinstance(a, ast.Starred) for a in sizes):
+        return None
+    if len(sizes) == 1 and "shape" in (dotted(sizes[0]) or "").rpartition(".")[2]:
+        return None  # torch.zeros(self.shape): a tuple in a name
+    return len(sizes)
+
+
+def _self_attrs(targets: list[ast.expr], self_name: str) -> set[str]:
+    """The ``self.<attr>`` names among assignment targets, tuple unpacking included."""
+    out: set[str] = set()
+    for target in targets:
+        if isinstance(target, (ast.Tuple, ast.List)):
+            out |= _self_attrs(list(target.elts), self_name)
+        elif isinstance(target, ast.Attribute) and dotted(target.value) == self_name:
+            out.add(target.attr)
+    return out
 
 
 def _may_be_none(value: ast.expr) -> bool:

@@ -13,8 +13,14 @@ import importlib
 from dataclasses import dataclass
 
 from hp_lazy.errors import PlanError
+from hp_lazy.plan.fqn import is_glob
 from hp_lazy.plan.resolve import ModuleFacts
 
+CHILDLESS_BASES = frozenset({
+    "transformers.modeling_utils.PreTrainedModel", "transformers.generation.GenerationMixin",
+    "transformers.generation.utils.GenerationMixin", "torch.nn.Module", "torch.nn.modules.module.Module", "object",
+})
+"""Classes of other modules known to set no child module in ``__init__``."""
 FIX = "write an explicit JSON plan for this module (Plan.from_json) instead of Plan.auto"
 
 
@@ -124,9 +130,23 @@ def _paths(facts: ModuleFacts, top: str, target: str, depth: int = 3) -> list[li
 
 
 def head_rules(facts: ModuleFacts) -> list[Rule]:
+    """The model classes' ``_tp_plan`` entries, less keys naming an attribute the class never sets
+    (``Llama4ForConditionalGeneration._tp_plan['lm_head']``: its head is ``language_model.lm_head``,
+    planned by ``Llama4ForCausalLM``): no module of that class can sit there, so transformers'
+    own plan applies nothing either."""
     rules = []
     for name, cls in facts.classes.items():
         plan = cls.constants.get("_tp_plan")
         if isinstance(plan, dict):
-            rules += [Rule(f"{name}._tp_plan", name, "", key, style, True) for key, style in plan.items()]
+            rules += [Rule(f"{name}._tp_plan", name, "", key, style, True) for key, style in plan.items()
+                      if not _never_set(facts, name, key)]
     return rules
+
+
+def _never_set(facts: ModuleFacts, name: str, key: str) -> bool:
+    """``key``'s first attribute is set by no ``__init__`` of ``name``, whose bases are all of this
+    module or :data:`CHILDLESS_BASES`."""
+    first = key.split(".")[0]
+    if is_glob(first) or facts.assigns(name, first):
+        return False
+    return facts.external_bases(name) <= CHILDLESS_BASES

@@ -4,8 +4,10 @@
 - A parent module whose children hold ``colwise``/``packed_colwise`` *and* ``rowwise`` strings is
   the boundary: ``x: R -> R`` in (copy_to), ``output: P(sum) -> R`` out (reduce_from). Params:
   colwise ``c.weight``/``c.bias`` ``S(0)``; packed ``SS(0,2)``; rowwise ``c.weight`` ``S(1)`` with
-  ``c.bias`` deferred; a key naming a raw (expert) parameter shards it on its output dim ``-2``
-  (``SS(-2,2)`` packed) or input dim ``-1`` (rowwise). ``replicated_with_grad_allreduce`` and
+  ``c.bias`` deferred; a key naming a raw parameter cuts the dim transformers cuts (``ndim - 2``
+  for colwise, the last for rowwise): an expert tensor on dim ``-2`` (``SS(-2,2)`` packed) or
+  ``-1`` (``SS(-1,2)`` for ``packed_rowwise``, Llama 4's transposed experts), a per-head vector
+  (attention sinks, a gate bias: its rank read from the source) on dim ``0``. ``replicated_with_grad_allreduce`` and
   ``mla_kv_a_proj`` (MLA's replicated K/V down projection) children go to the boundary's
   ``grad_sum_params``. Other activations the boundary's forward takes (cross-attention's
   ``encoder_hidden_states``) enter replicated too.
@@ -18,6 +20,10 @@
 - ``embedding_rowwise`` (and, as transformers does, the base model's ``embed_tokens`` when it is a
   plain ``nn.Embedding`` or a local subclass of it): vocab-parallel embedding, ``weight: S(0)``,
   ``output: P(sum) -> R``.
+- ``local_params`` (transformers 5.25) marks a module whose own raw parameters its children's
+  entries shard (``self_attn.sinks: colwise``): hp_lazy's boundary binds them with the module, so
+  the marker must land on a boundary. ``replicate`` keeps a module whole on every rank: no contract,
+  and no implicit vocab-parallel ``embed_tokens`` where it names that.
 
 Everything else raises a :class:`PlanError` naming the module, the plan's owner, the key and the
 string, and pointing at an explicit JSON plan.
@@ -33,10 +39,16 @@ SUMMED = frozenset({"replicated_with_grad_allreduce", "mla_kv_a_proj"})
 """Replicated children whose gradient is summed over tp. ``mla_kv_a_proj``: MLA's joint K/V down
 projection (``kv_a_proj_with_mqa``), whose output (the compressed latent and the shared RoPE key)
 feeds every rank's heads, so each rank's gradient is its heads' part."""
-GROUPED = frozenset({"colwise", "packed_colwise", "rowwise"}) | SUMMED
+COLWISE = frozenset({"colwise", "packed_colwise"})
+ROWWISE = frozenset({"rowwise", "packed_rowwise"})
+GROUPED = COLWISE | ROWWISE | SUMMED
 LEAF = frozenset({"colwise_gather_output", "rowwise_split_input"})
 MOE = "moe_tp_experts"
-SUPPORTED = GROUPED | LEAF | {"embedding_rowwise", MOE}
+LOCAL, REPLICATE = "local_params", "replicate"
+SUPPORTED = GROUPED | LEAF | {"embedding_rowwise", MOE, LOCAL, REPLICATE}
+RAW_SHARDS = {"colwise": "S(-2)", "packed_colwise": "SS(-2,2)", "rowwise": "S(-1)", "packed_rowwise": "SS(-1,2)"}
+"""A raw parameter's cut by style: transformers' ``ndim - 2`` for colwise, the last dim for rowwise."""
+VECTOR_SHARDS = {"colwise": "S(0)", "packed_colwise": "SS(0,2)"}
 EMBEDDING_BODY = {
     "in_src": {"input": {"tp": "R"}}, "in_dst": {"input": {"tp": "R"}},
     "out_src": {"output": {"tp": "P(sum)"}}, "out_dst": {"output": {"tp": "R"}},
@@ -49,8 +61,9 @@ def apply(draft: Draft, rules: list[Rule]) -> None:
     for rule in rules:
         if not isinstance(rule.style, str) or rule.style not in SUPPORTED:
             draft.fail(rule, "is not a style Plan.auto translates (it handles colwise/packed_colwise -> "
-                       "rowwise pairs, replicated_with_grad_allreduce, mla_kv_a_proj, colwise_gather_output, "
-                       "rowwise_split_input and embedding_rowwise)")
+                       "rowwise/packed_rowwise pairs, replicated_with_grad_allreduce, mla_kv_a_proj, "
+                       "colwise_gather_output, rowwise_split_input, embedding_rowwise, moe_tp_experts, "
+                       "local_params and replicate)")
     for rule in rules:
         if rule.style in LEAF:
             draft.add(rule.pattern, Entry(_leaf(draft, rule), rule.owner, "leaf", rule))
@@ -61,6 +74,10 @@ def apply(draft: Draft, rules: list[Rule]) -> None:
     for rule in rules:
         if rule.style == MOE and rule.pattern not in draft.entries:
             draft.fail(rule, "has no packed_colwise/colwise -> rowwise expert parameters under it to shard")
+        marked = draft.entries.get(rule.pattern)
+        if rule.style == LOCAL and (marked is None or marked.kind != "boundary"):
+            draft.fail(rule, "marks a module whose raw parameters hp_lazy shards only with an enclosing "
+                       "colwise -> rowwise pair, and no such pair sits directly under it")
     if draft.flags.vocab_parallel_embedding:
         _implicit_embeddings(draft, rules)
 
@@ -99,8 +116,11 @@ def _embedding_body(draft: Draft, name: str | None) -> dict | None:
 
 def _implicit_embeddings(draft: Draft, rules: list[Rule]) -> None:
     """transformers adds ``embed_tokens: embedding_rowwise`` whenever a TP plan exists."""
+    whole = {r.pattern for r in rules if r.style == REPLICATE}
     for base, prefix in sorted({(r.base, r.prefix) for r in rules if not r.head}):
         pattern = prefix + "embed_tokens"
+        if pattern in whole:
+            continue
         found = draft.facts.resolve(base, "embed_tokens")
         body = _embedding_body(draft, next(iter(found))) if len(found) == 1 else None
         if pattern not in draft.entries and body is not None:
@@ -121,8 +141,7 @@ class _Boundaries:
         for rule in grouped:
             parent = rule.key.rpartition(".")[0]
             parents.setdefault((rule.base, parent), []).append(rule)
-        pairs = {k for k, rs in parents.items() if {r.style for r in rs} & {"colwise", "packed_colwise"}
-                 and "rowwise" in {r.style for r in rs}}
+        pairs = {k for k, rs in parents.items() if {r.style for r in rs} & COLWISE and {r.style for r in rs} & ROWWISE}
         bodies: dict[tuple[str, str], dict] = {}
         for (base, _parent), rs in parents.items():
             for rule in rs:
@@ -157,7 +176,7 @@ class _Boundaries:
                 if home[0] == base and parent.startswith(home[1] + "."):
                     return home
             self.draft.fail(rule, "is not inside a module that encloses a colwise -> rowwise pair")
-        self.draft.fail(rule, f"has no {'rowwise' if rule.style != 'rowwise' else 'colwise'} sibling under "
+        self.draft.fail(rule, f"has no {'colwise' if rule.style in ROWWISE else 'rowwise'} sibling under "
                         f"{parent or rule.base!r}, so no module encloses a colwise -> rowwise pair")
 
     def _child(self, rule: Rule, parent: str, body: dict) -> None:
@@ -170,11 +189,16 @@ class _Boundaries:
             if not self._is_param(rule):
                 self.draft.fail(rule, f"names {rule.key!r}, which is neither a child module nor an nn.Parameter "
                                 f"of {rule.base} in the source")
-            params[rel] = {"tp": {"colwise": "S(-2)", "packed_colwise": "SS(-2,2)", "rowwise": "S(-1)"}[style]}
+            params[rel] = {"tp": self._raw_shard(rule, style)}
+            if self._conditional(rule.base, parent, rel):  # MiMo: sinks only on sliding-window layers
+                body["optional_params"].append(rel)
         else:
             name = self.draft.class_of(rule, rule.key)
             if not self.draft.is_linear(name):
                 self.draft.fail(rule, f"applies to class {name!r}, which is not an nn.Linear")
+            if style == "packed_rowwise":
+                self.draft.fail(rule, "applies to an nn.Linear; Plan.auto reads packed_rowwise only on raw "
+                                "(transposed expert) parameters, whose packed output dim it cuts")
             shard = {"colwise": "S(0)", "packed_colwise": "SS(0,2)", "rowwise": "S(1)"}[style]
             params[f"{rel}.weight"] = {"tp": shard}
             if style == "rowwise":
@@ -188,6 +212,17 @@ class _Boundaries:
     def _conditional(self, base: str, parent: str, rel: str) -> bool:
         owners = self.facts.resolve(base, parent) if parent else {base}
         return any(rel.split(".")[0] in self.facts.conditional(o) for o in owners if o in self.facts.classes)
+
+    def _raw_shard(self, rule: Rule, style: str) -> str:
+        """The layout of a raw parameter: by style, and for a vector (rank 1 in the source) dim 0."""
+        owner_key, _, leaf = rule.key.rpartition(".")
+        owners = self.facts.resolve(rule.base, owner_key) if owner_key else {rule.base}
+        ranks = {self.facts.param_rank(o, leaf) for o in owners if o in self.facts.classes}
+        if ranks != {1}:
+            return RAW_SHARDS[style]
+        if style not in VECTOR_SHARDS:
+            self.draft.fail(rule, f"names {rule.key!r}, a vector: it has no input dim for {style} to cut")
+        return VECTOR_SHARDS[style]
 
     def _is_param(self, rule: Rule) -> bool:
         owner_key, _, leaf = rule.key.rpartition(".")

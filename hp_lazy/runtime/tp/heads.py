@@ -32,12 +32,18 @@ def _config_int(config: object, name: str) -> object:
 
 
 def _head_counts(module: nn.Module) -> tuple[int, int, int] | None:
-    """(heads, kv heads, head_dim) of an attention module (one that has a ``head_dim``), else None."""
+    """(heads, kv heads, head_dim) of an attention module (one that has a ``head_dim``), else None.
+
+    The K/V heads are the module's own where its ``num_key_value_groups`` says so: a layer may
+    have more than the config's (MiMo-V2-Flash's sliding-window layers double them)."""
     if not isinstance(getattr(module, "head_dim", None), int):
         return None
     config = getattr(module, "config", None)
     heads = _config_int(config, "num_attention_heads")
     kv = _config_int(config, "num_key_value_heads") or heads
+    groups = getattr(module, "num_key_value_groups", None)
+    if isinstance(heads, int) and isinstance(groups, int) and groups > 0 and heads % groups == 0:
+        kv = heads // groups
     head_dim = module.head_dim
     if not isinstance(heads, int) or not isinstance(kv, int) or not isinstance(head_dim, int):
         return None
