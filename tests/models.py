@@ -156,6 +156,10 @@ MORE_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
                                             "sliding_window": 6}),
     "beam": ("BeamConfig", {"num_key_value_heads": 2, "head_dim": 8, "sliding_window": 6, "pad_token_id": 0,
                             "bos_token_id": 1, "eos_token_id": 2}),
+    # q/k norms over every head of the projection (tp splits their features): OLMo 2 an RMSNorm with 2 K/V heads
+    # (at tp=4 each K slice, and its k_norm slice, on two ranks); ESM C (a masked LM) a LayerNorm without bias
+    "olmo2": ("Olmo2Config", {"num_key_value_heads": 2, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
+    "esmc": ("EsmcConfig", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
     # vision-language: a vision tower with its own config (2 blocks) beside the text stack; under
     # cp the text stack splits and the tower runs whole (text-only batches; image inputs refused)
     "qwen2_vl": ("Qwen2VLConfig", {
@@ -167,7 +171,8 @@ MORE_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 """Models only some test modules use (the parity modules sweep :data:`CONFIGS`)."""
 
-AUTO = {"qwen2_vl": "AutoModelForImageTextToText"}
+AUTO = {"qwen2_vl": "AutoModelForImageTextToText", "esmc": "AutoModelForMaskedLM"}
+MASKED = ("esmc",)
 """Families no causal-LM Auto class maps: the Auto class they are built with."""
 
 BASE_ONLY = ("muse_spark", "mistral_large4_text")
@@ -242,11 +247,18 @@ def run_training(model, ids, *, steps: int = 3, lr: float = 0.1, weight_decay: f
 def reference(path: str, ids) -> dict[str, Any]:
     """The same run in this process, without hp_lazy."""
     import torch
-    import transformers
 
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    return run_training(model, ids)
+    return run_training(load(path), ids)
+
+
+def load(path: str, dtype: str = "float32"):
+    """The model saved at ``path`` as a causal LM (a masked LM for :data:`MASKED` families)."""
+    import torch
+    import transformers
+
+    auto = "AutoModelForMaskedLM" if os.path.basename(path) in MASKED else "AutoModelForCausalLM"
+    return getattr(transformers, auto).from_pretrained(path, dtype=getattr(torch, dtype))
 
 
 def rel_err(a, b) -> float:

@@ -59,6 +59,9 @@ def _case(name: str, g: Group, dims: tuple[int, ...]) -> Case:
     if name == "reduce_from":
         ref = _grad(lambda t: _f(t.sum(0), Wf), P)[r]
         return P[r], lambda x: C.reduce_from(x, g), P.sum(0), lambda y: _f(y, Wf), ref
+    if name == "sum_over":  # partial statistics summed; each rank uses the sum on its own slice
+        ref = _grad(lambda t: sum(_f(t.sum(0), w) for w in Wr), P)[r]
+        return P[r], lambda x: C.sum_over(x, g), P.sum(0), lambda y: _f(y, Wr[r]), ref
     if name == "gather_from":
         ref = _chunk(_grad(lambda t: _f(t, Wf), X), d, r, n)
         return _chunk(X, d, r, n), lambda x: C.gather_from(x, g, d), X, lambda y: _f(y, Wf), ref
@@ -113,6 +116,7 @@ def _run_pair(rank: int, world: int, name: str, tp: int, dims: tuple[int, ...], 
 _CASES = [
     ("copy_to", ()),
     ("reduce_from", ()),
+    ("sum_over", ()),
     *[(name, (d,)) for name in ("gather_from", "gather_to", "scatter_to", "reduce_scatter_to") for d in (0, 1, -1)],
     *[("all_to_all", dims) for dims in ((0, -1), (-1, 1), (1, 0))],
 ]
@@ -170,7 +174,7 @@ def test_reduce_scatter_fallback(pool2: DistPool, name: str, dims: tuple[int, ..
 
 def test_docstring_table_matches_pairs_and_exports() -> None:
     assert _table() == C.PAIRS
-    assert len(C.PAIRS) == 9
+    assert len(C.PAIRS) == 10
     for name in C.PAIRS:
         assert callable(getattr(C, name)) and name in C.__all__
 
@@ -179,7 +183,7 @@ def test_size_one_is_a_no_op() -> None:
     g = Group.solo("tp")
     x = torch.randn(4, 6, requires_grad=True)
     with hp_lazy.collective_counter() as counter:
-        for op in (C.copy_to, C.reduce_from):
+        for op in (C.copy_to, C.reduce_from, C.sum_over):
             assert op(x, g) is x
         for op in (C.gather_from, C.gather_to, C.scatter_to, C.reduce_scatter_to):
             assert op(x, g, -1) is x

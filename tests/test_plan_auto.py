@@ -99,6 +99,22 @@ def test_phi3_gathered_colwise_and_split_rowwise_become_leaf_contracts() -> None
     assert "model.layers.*.mlp" not in got
 
 
+def test_norms_over_split_features_are_cut_with_their_projection() -> None:
+    """``self.q_norm(self.q_proj(x))`` normalises every output feature of a colwise projection: ESM C's
+    norms are cut ``S(0)`` with it. OLMo 2's plan gathers q/k/v for such norms (colwise_gather_output,
+    o_proj rowwise_split_input); Plan.auto reads them as one colwise -> rowwise boundary instead, so
+    attention runs on each rank's heads (the norms' statistics are summed at run time)."""
+    norms = {f"{n}_norm.{p}": {"tp": "S(0)"} for n in "qk" for p in ("weight", "bias")}
+    for family, prefix in (("esmc", "esmc."), ("olmo2", "model.")):
+        got = contracts(family)
+        attn = got[f"{prefix}layers.*.self_attn"]
+        assert attn["params"] == {**colwise("q_proj", "k_proj", "v_proj"), "o_proj.weight": {"tp": "S(1)"}, **norms}
+        assert attn["optional_params"] == ["k_norm.bias", "k_proj.bias", "o_proj.bias", "q_norm.bias", "q_proj.bias",
+                                           "v_proj.bias"]
+        assert not [p for p in got if p.startswith(f"{prefix}layers.*.self_attn.")]  # no gathered leaves
+    assert "model.layers.*.self_attn.qkv_proj" in contracts("phi3")  # gathered for no norm: leaves, as planned
+
+
 def test_sequence_parallel_variant() -> None:
     got = contracts("llama", sequence_parallel=True)
     assert got["model.layers"] == {

@@ -20,6 +20,13 @@
 - ``embedding_rowwise`` (and, as transformers does, the base model's ``embed_tokens`` when it is a
   plain ``nn.Embedding`` or a local subclass of it): vocab-parallel embedding, ``weight: S(0)``,
   ``output: P(sum) -> R``.
+- A norm the boundary's forward applies straight to a colwise projection's output
+  (``self.q_norm(self.q_proj(x))``, no reshape between: ESM C, OLMo 2/3) normalises features tp
+  splits: its ``weight``/``bias`` are cut ``S(0)`` like the projection's rows, and the runtime sums
+  its row statistics over tp (:mod:`hp_lazy.runtime.tp.norms`). Where transformers' plan gathers
+  the projections for such a norm instead (``colwise_gather_output`` on q/k/v and
+  ``rowwise_split_input`` on o: OLMo 2/3, OLMoE, FlexOlmo, MiniMax-M2), Plan.auto reads the siblings
+  as a plain colwise -> rowwise pair: the gather would run attention whole on every rank.
 - ``local_params`` (transformers 5.25) marks a module whose own raw parameters its children's
   entries shard (``self_attn.sinks: colwise``): hp_lazy's boundary binds them with the module, so
   the marker must land on a boundary. ``replicate`` keeps a module whole on every rank: no contract,
@@ -30,6 +37,9 @@ string, and pointing at an explicit JSON plan.
 """
 
 from __future__ import annotations
+
+import ast
+from dataclasses import replace
 
 from hp_lazy.plan.auto.draft import Draft, Entry
 from hp_lazy.plan.auto.rules import Rule
@@ -64,6 +74,8 @@ def apply(draft: Draft, rules: list[Rule]) -> None:
                        "rowwise/packed_rowwise pairs, replicated_with_grad_allreduce, mla_kv_a_proj, "
                        "colwise_gather_output, rowwise_split_input, embedding_rowwise, moe_tp_experts, "
                        "local_params and replicate)")
+    ungathered = _ungathered(draft, [r for r in rules if r.style in LEAF])
+    rules = [ungathered.get(id(r), r) for r in rules]
     for rule in rules:
         if rule.style in LEAF:
             draft.add(rule.pattern, Entry(_leaf(draft, rule), rule.owner, "leaf", rule))
@@ -80,6 +92,54 @@ def apply(draft: Draft, rules: list[Rule]) -> None:
                        "colwise -> rowwise pair, and no such pair sits directly under it")
     if draft.flags.vocab_parallel_embedding:
         _implicit_embeddings(draft, rules)
+
+
+UNGATHER = {"colwise_gather_output": "colwise", "rowwise_split_input": "rowwise"}
+
+
+def _ungathered(draft: Draft, leaves: list[Rule]) -> dict[int, Rule]:
+    """Gathered colwise and split rowwise siblings around a norm of a gathered output (OLMo 2's
+    q/k norms), as the colwise/rowwise rules of one boundary: id(rule) -> its plain-style copy."""
+    siblings: dict[tuple[str, str], list[Rule]] = {}
+    for rule in leaves:
+        parent = rule.key.rpartition(".")[0]
+        if parent and not rule.head:
+            siblings.setdefault((rule.base, parent), []).append(rule)
+    out: dict[int, Rule] = {}
+    for (base, parent), group in siblings.items():
+        if {r.style for r in group} != set(UNGATHER):
+            continue
+        names = draft.facts.resolve(base, parent)
+        gathered = {r.key.rpartition(".")[2] for r in group if r.style == "colwise_gather_output"}
+        if len(names) == 1 and set(split_norms(draft, next(iter(names)), gathered).values()) & gathered:
+            out.update({id(r): replace(r, style=UNGATHER[str(r.style)]) for r in group})
+    return out
+
+
+def split_norms(draft: Draft, name: str, colwise: set[str]) -> dict[str, str]:
+    """Norm child -> colwise child, for each ``self.<norm>(self.<colwise>(...))`` in the forward
+    of class ``name``: a norm over every output feature of the projection, which tp splits."""
+    forward = draft.facts.forward(name)
+    if forward is None:
+        return {}
+    found: dict[str, str] = {}
+    for node in ast.walk(forward):
+        outer = _self_call(node)
+        if outer is None or len(node.args) != 1:  # type: ignore[attr-defined]
+            continue
+        inner = _self_call(node.args[0])  # type: ignore[attr-defined]
+        classes = draft.facts.resolve(name, outer)
+        if inner in colwise and classes and not any(draft.is_linear(c) for c in classes):
+            found[outer] = inner
+    return found
+
+
+def _self_call(node: ast.AST) -> str | None:
+    """``attr`` of a call ``self.<attr>(...)``."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name) \
+            and node.func.value.id == "self":
+        return node.func.attr
+    return None
 
 
 def _leaf(draft: Draft, rule: Rule) -> dict:
@@ -253,6 +313,12 @@ class _Boundaries:
 
     def _boundary_body(self, rule: Rule, name: str, body: dict) -> dict:
         x = self.draft.input_key(rule, name)
+        colwise = {k.rpartition(".")[0] for k, v in body["params"].items()
+                   if k.endswith(".weight") and v == {"tp": "S(0)"}}
+        planned = {k.split(".")[0] for k in [*body["params"], *body["grad_sum_params"]]}
+        for norm in sorted(set(split_norms(self.draft, name, colwise)) - planned):  # ESM C's q/k norms
+            body["params"][f"{norm}.weight"] = body["params"][f"{norm}.bias"] = {"tp": "S(0)"}
+            body["optional_params"].append(f"{norm}.bias")
         out = {"in_src": {x: {"tp": "R"}}, "in_dst": {x: {"tp": "R"}},
                "out_src": {"output": {"tp": "P(sum)"}}, "out_dst": {"output": {"tp": "R"}}, "params": body["params"]}
         for extra in self._cross_inputs(name, x):  # cross-attention: also projected by the colwise k/v

@@ -10,6 +10,7 @@ CUDA/nccl alike (buffers are allocated on the input's device), normalises negati
 |---|---|---|
 | copy_to | identity | all_reduce |
 | reduce_from | all_reduce | identity |
+| sum_over | all_reduce | all_reduce |
 | gather_from | all_gather | split |
 | gather_to | all_gather | reduce_scatter |
 | scatter_to | split | all_gather |
@@ -59,11 +60,13 @@ __all__ = [
     "reduce_from",
     "reduce_scatter_to",
     "scatter_to",
+    "sum_over",
 ]
 
 PAIRS: dict[str, tuple[str, str]] = {
     "copy_to": ("identity", "all_reduce"),
     "reduce_from": ("all_reduce", "identity"),
+    "sum_over": ("all_reduce", "all_reduce"),
     "gather_from": ("all_gather", "split"),
     "gather_to": ("all_gather", "reduce_scatter"),
     "scatter_to": ("split", "all_gather"),
@@ -144,6 +147,13 @@ def copy_to(x: torch.Tensor, g: Group) -> torch.Tensor:
 def reduce_from(x: torch.Tensor, g: Group) -> torch.Tensor:
     """Partial sums -> replicated: all-reduce fwd, identity bwd."""
     return x if x is None or g.size == 1 else _apply(x, "reduce_from", g, ())
+
+
+def sum_over(x: torch.Tensor, g: Group) -> torch.Tensor:
+    """Per-rank partial statistics of a split dim -> their sum, which every rank then uses on its
+    own slice (a norm over tp-split features): all-reduce fwd, all-reduce bwd (each rank's
+    gradient of the sum is a part)."""
+    return x if x is None or g.size == 1 else _apply(x, "sum_over", g, ())
 
 
 def gather_from(x: torch.Tensor, g: Group, dim: int) -> torch.Tensor:

@@ -29,6 +29,7 @@ from hp_lazy.runtime.style import BindContext, params_matching
 from hp_lazy.runtime.tp.embedding import install_vocab_parallel, vocab_sharded
 from hp_lazy.runtime.tp.heads import check_projections, fit_attention_heads, kv_replicas
 from hp_lazy.runtime.tp.loss import VocabParallelCausalLMLoss
+from hp_lazy.runtime.tp.norms import install_split_norm
 
 # Attributes of modules whose forward takes statistics over the features a colwise split shards:
 # on a shard they would be computed from part of the features, silently.
@@ -60,6 +61,7 @@ class TensorParallelStyle:
         if _is_region(contract):
             mount(module, ctx.groups["tp"], local=True)
         _shard_row_vectors(fqn, module, ctx)
+        _split_norms(fqn, module, ctx)
         fit_attention_heads(fqn, module, contract, ctx.groups, replicas)
 
     def attach(self, fqn: str, module: nn.Module, binding: Binding, ctx: BindContext) -> bool:
@@ -159,6 +161,20 @@ def _refuse_feature_statistics(fqn: str, module: nn.Module, sharded: bool) -> No
                 f"{fqn}: {attr}={value} {what}, which tp splits across ranks, so each rank would use partial "
                 f"statistics; use a config with {attr}=0 for this layer, or leave this module out of the plan"
             )
+
+
+def _split_norms(fqn: str, module: nn.Module, ctx: BindContext) -> None:
+    """A norm inside the boundary whose weight the plan cuts on dim 0 over tp normalises features
+    tp splits (``q_norm(q_proj(x))`` over every head): it runs on its slice with row statistics
+    summed over tp (:mod:`hp_lazy.runtime.tp.norms`)."""
+    for name, sub in module.named_modules():
+        if not name or isinstance(sub, (nn.Linear, nn.Embedding)):
+            continue
+        weight = sub._parameters.get("weight")
+        layout = ctx.by_param.get(id(weight)) if weight is not None else None
+        cut = layout.on("tp") if layout is not None else None
+        if layout is not None and cut is not None and cut.dim == 0 and len(layout.full_shape) == 1:
+            install_split_norm(f"{fqn}.{name}", sub, layout, ctx.groups["tp"])
 
 
 def _shard_row_vectors(fqn: str, module: nn.Module, ctx: BindContext) -> None:

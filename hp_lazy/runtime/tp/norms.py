@@ -1,0 +1,133 @@
+"""Norms over features tp splits: OLMo 2/3's and ESM C's q/k norms run over every head of a
+projection (``q_norm(q_proj(x))``), so under tp each rank holds a slice of the features the norm
+reads. The norm's weight (and bias) is cut like the projection's rows (``S(0)``; K/V slices kept on
+``tp / kv`` ranks as their projection's are), and its row statistics are summed over tp: one
+all-reduce of a ``[..., 1]`` tensor per statistic, forward and backward (RMS: the mean square;
+LayerNorm: the mean, then the centred mean square), never the features themselves. Each rank then
+normalises its slice exactly as the whole row would be.
+
+Which math a norm class runs is read from the module at bind: its own forward on a probe row of
+the full width is compared with the three forms below; a class that matches none is refused,
+naming it::
+
+    "layer"       (x - mean) / sqrt(var + eps) * w (+ b)      nn.LayerNorm and subclasses
+    "rms"         x / sqrt(mean(x^2) + eps) * w               Llama / OLMo 2 RMSNorm
+    "rms_offset"  x / sqrt(mean(x^2) + eps) * (1 + w)         Gemma RMSNorm
+
+Statistics are taken in float32 (float64 for float64 inputs) and the output has the input's dtype,
+as transformers' norms do.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from hp_lazy.errors import ShardingError
+from hp_lazy.runtime.comm.pairs import sum_over
+from hp_lazy.runtime.layout import ParamLayout
+from hp_lazy.runtime.leaves import subclass
+from hp_lazy.runtime.mesh import Group
+
+if TYPE_CHECKING:
+    _Module = nn.Module
+else:
+    _Module = object
+
+SPLIT_NORM = "_hp_split_norm"
+"""Module ``__dict__`` key: the :class:`SplitNorm` of a norm over tp-split features."""
+EPS_ATTRS = ("eps", "variance_epsilon", "epsilon")
+FORMS = ("layer", "rms", "rms_offset")
+PROBE_TOL = 1e-5
+
+
+@dataclass(frozen=True)
+class SplitNorm:
+    """How one norm runs on its slice: its form and epsilon, the whole row's width, the group and
+    how many ranks hold each slice (K/V heads kept on several)."""
+
+    form: str
+    eps: float
+    features: int
+    group: Group
+    replicas: int
+
+    def stat(self, partial: torch.Tensor) -> torch.Tensor:
+        """The whole row's mean of a per-slice sum ``[..., 1]``."""
+        return sum_over(partial, self.group) / (self.replicas * self.features)
+
+
+def _apply(form: str, x: torch.Tensor, eps: float, weight: torch.Tensor | None, bias: torch.Tensor | None,
+           mean_of) -> torch.Tensor:
+    """One form on ``x`` (float32 or wider), with ``mean_of`` taking a row mean (local, or over tp)."""
+    if form == "layer":
+        centred = x - mean_of(x.sum(-1, keepdim=True))
+        out = centred * torch.rsqrt(mean_of((centred * centred).sum(-1, keepdim=True)) + eps)
+    else:
+        out = x * torch.rsqrt(mean_of((x * x).sum(-1, keepdim=True)) + eps)
+    if weight is not None:
+        w = weight.to(x.dtype)
+        out = out * (1.0 + w if form == "rms_offset" else w)
+    if bias is not None and form == "layer":
+        out = out + bias.to(x.dtype)
+    return out
+
+
+class _SplitNormForward(_Module):
+    """Mixin: the norm's form on this rank's slice, statistics summed over tp."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        split: SplitNorm = self.__dict__[SPLIT_NORM]
+        x = hidden_states.to(torch.promote_types(hidden_states.dtype, torch.float32))
+        out = _apply(split.form, x, split.eps, getattr(self, "weight", None), getattr(self, "bias", None), split.stat)
+        return out.to(hidden_states.dtype)
+
+
+def _eps(fqn: str, module: nn.Module) -> float:
+    for attr in EPS_ATTRS:
+        value = getattr(module, attr, None)
+        if isinstance(value, (int, float)):
+            return float(value)
+    raise ShardingError(
+        f"{fqn}: {type(module).__name__} normalises features tp splits, but hp_lazy finds no epsilon on it "
+        f"(looked for {list(EPS_ATTRS)}); leave its input whole (gather the projection before it: "
+        "colwise_gather_output)"
+    )
+
+
+def identify(fqn: str, module: nn.Module, features: int) -> tuple[str, float]:
+    """``(form, eps)`` of ``module``: its own forward on a probe row ``[3, features]`` (float32,
+    random weight and bias of the whole width, on a CPU copy) against each form."""
+    eps = _eps(fqn, module)
+    probe = copy.deepcopy(module).to_empty(device="cpu").float()  # the model may still be on meta
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name in ("weight", "bias"):
+            if probe._parameters.get(name) is not None:
+                probe._parameters[name] = nn.Parameter(torch.randn(features, generator=gen))
+        x = torch.randn(3, features, generator=gen) * 2 + 0.5
+        own = probe(x).float()
+        weight, bias = probe._parameters.get("weight"), probe._parameters.get("bias")
+        for form in FORMS:
+            got = _apply(form, x, eps, weight, bias, lambda s: s / features)
+            if got.shape == own.shape and torch.allclose(got, own, rtol=PROBE_TOL, atol=PROBE_TOL):
+                return form, eps
+    raise ShardingError(
+        f"{fqn}: {type(module).__name__} normalises the {features} features of a projection tp splits, but its "
+        f"forward matches none of the norms hp_lazy can split ({', '.join(FORMS)}: LayerNorm, RMSNorm with w or "
+        "1 + w); leave its input whole (colwise_gather_output on the projection, rowwise_split_input after)"
+    )
+
+
+def install_split_norm(fqn: str, module: nn.Module, layout: ParamLayout, group: Group) -> None:
+    """Run ``module`` (whose weight ``layout`` cuts on dim 0 over tp) on its feature slice."""
+    cut = layout.on("tp")
+    assert cut is not None and cut.dim == 0
+    features = layout.full_shape[0]
+    form, eps = identify(fqn, module, features)
+    module.__dict__[SPLIT_NORM] = SplitNorm(form, eps, features, group, cut.replicas)
+    module.__class__ = subclass(type(module), _SplitNormForward)
