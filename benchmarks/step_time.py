@@ -35,6 +35,11 @@ relative gradient error (max over parameters of max|dg| / max|g_ref|) against th
     python benchmarks/step_time.py --models tiny --world 2 --profile hp_lazy   # + cProfile of 5 steps, rank 0
     python benchmarks/step_time.py --models tiny --world 2 --compile inductor --variants hp_lazy,hf_tp,bare_tp
     python benchmarks/step_time.py --smoke      # the tiny model on 2 ranks, one round: does every variant run?
+    python benchmarks/step_time.py --family olmo2 --models tiny --world 2 --variants hp_lazy,hf_tp
+
+``--family olmo2``: OLMo 2, whose q/k norms run over every head. transformers' plan gathers q/k/v for them
+(``colwise_gather_output``), so ``hf_tp`` runs attention whole on every rank; hp_lazy splits the heads and
+sums the norms' row statistics over tp. ``dtensor_tp`` and ``bare_tp`` are Llama's recipes (skipped).
 
 ``--compile BACKEND``: every variant's model (the plain reference too) runs under
 ``torch.compile(model, backend=BACKEND)`` after it is loaded and bound; collectives are counted and
@@ -56,8 +61,26 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-PLAIN_NAME = "transformers.models.llama._plain_modeling_llama"
-REAL_NAME = "transformers.models.llama.modeling_llama"
+
+@dataclass(frozen=True)
+class Family:
+    """The modeling module a run times: ``llama`` (every variant) or ``olmo2`` (q/k norms over every head)."""
+
+    name: str
+    prefix: str  # class-name prefix: "Llama", "Olmo2"
+
+    @property
+    def real_name(self) -> str:
+        return f"transformers.models.{self.name}.modeling_{self.name}"
+
+    @property
+    def plain_name(self) -> str:
+        return f"transformers.models.{self.name}._plain_modeling_{self.name}"
+
+
+FAMILIES = {"llama": Family("llama", "Llama"), "olmo2": Family("olmo2", "Olmo2")}
+FAMILY = FAMILIES["llama"]
+"""The family of this process's run (the launcher's ``--family``; the worker's job)."""
 ALL_VARIANTS = ("ref_solo", "ref_both", "hp_lazy", "hp_lazy_digest", "hf_tp", "dtensor_tp", "bare_tp")
 TP_VARIANTS = ("hp_lazy", "hp_lazy_digest", "hf_tp", "dtensor_tp", "bare_tp")
 HP_VARIANTS = ("hp_lazy", "hp_lazy_digest")
@@ -83,22 +106,28 @@ MODELS: dict[str, ModelSpec] = {
 
 
 # ------------------------------------------------------------------------------------------- model loading
-def load_plain_llama() -> Any:
-    """A private, never-lowered copy of modeling_llama (must run before hp_lazy.activate)."""
+def load_plain() -> Any:
+    """A private, never-lowered copy of the family's modeling module (must run before hp_lazy.activate)."""
+    import importlib
     import importlib.util
 
-    import transformers.models.llama as pkg
-
-    if PLAIN_NAME in sys.modules:
-        return sys.modules[PLAIN_NAME]
-    spec = importlib.util.spec_from_file_location(PLAIN_NAME, os.path.join(pkg.__path__[0], "modeling_llama.py"))
+    pkg = importlib.import_module(f"transformers.models.{FAMILY.name}")
+    if FAMILY.plain_name in sys.modules:
+        return sys.modules[FAMILY.plain_name]
+    path = os.path.join(pkg.__path__[0], f"modeling_{FAMILY.name}.py")
+    spec = importlib.util.spec_from_file_location(FAMILY.plain_name, path)
     module = importlib.util.module_from_spec(spec)
-    sys.modules[PLAIN_NAME] = module
+    sys.modules[FAMILY.plain_name] = module
     spec.loader.exec_module(module)
     lowered = [n for n, c in vars(module).items() if isinstance(c, type) and hasattr(c, "_hp_form")]
     if lowered:
-        raise RuntimeError(f"{PLAIN_NAME}: classes {lowered} are lowered; it must be loaded before hp_lazy.activate")
+        raise RuntimeError(f"{FAMILY.plain_name}: classes {lowered} are lowered; it must be loaded before "
+                           "hp_lazy.activate")
     return module
+
+
+def causal_lm(module: Any) -> Any:
+    return getattr(module, f"{FAMILY.prefix}ForCausalLM")
 
 
 def install_bare_tp(model: Any, rank: int, world: int) -> Callable[[Any], dict[str, Any]]:
@@ -236,10 +265,10 @@ def load_variants(variants: list[str], path: str, rank: int, world: int) -> tupl
     """Plain variants from the private module copy first, then hp_lazy; failures are recorded, not raised."""
     import torch
 
-    plain = load_plain_llama()
-    if REAL_NAME in sys.modules:
-        raise RuntimeError(f"{REAL_NAME} was imported before hp_lazy.activate; it would not be lowered")
-    loaded = {"ref": Loaded(plain.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32), plain_or_full_grads)}
+    plain = load_plain()
+    if FAMILY.real_name in sys.modules:
+        raise RuntimeError(f"{FAMILY.real_name} was imported before hp_lazy.activate; it would not be lowered")
+    loaded = {"ref": Loaded(causal_lm(plain).from_pretrained(path, dtype=torch.float32), plain_or_full_grads)}
     failed: dict[str, str] = {}
     for v in sorted((v for v in variants if v in TP_VARIANTS), key=lambda v: (v in HP_VARIANTS, v)):  # hp_lazy last
         try:
@@ -259,8 +288,10 @@ def _load_plain(variant: str, plain: Any, path: str, rank: int, world: int) -> L
     import torch
 
     if variant == "hf_tp":
-        return Loaded(load_hf_tp(plain.LlamaForCausalLM, path, world), plain_or_full_grads)
-    model = plain.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32)
+        return Loaded(load_hf_tp(causal_lm(plain), path, world), plain_or_full_grads)
+    if FAMILY.name != "llama":
+        raise _Skip(f"a recipe written for Llama's modules; {FAMILY.prefix}'s q/k norms run over every head")
+    model = causal_lm(plain).from_pretrained(path, dtype=torch.float32)
     if variant == "dtensor_tp":
         install_dtensor_tp(model, world)
         return Loaded(model, plain_or_full_grads)
@@ -279,17 +310,18 @@ def _load_hp_lazy(path: str, world: int, plain: Any, *, every_step: bool = False
     from hp_lazy.names import INPUT_CHECK
     from hp_lazy.runtime.inputs import VALUES_ENV
 
-    if REAL_NAME not in sys.modules:  # the first hp_lazy variant activates; the second reuses the lowered module
+    real_name, mlp = FAMILY.real_name, f"{FAMILY.prefix}MLP"
+    if real_name not in sys.modules:  # the first hp_lazy variant activates; the second reuses the lowered module
         # --hp-embedding: "vocab" (default, like transformers' tp_plan) or "replicated" (bare_tp's layout)
         vocab = os.environ.get("HP_LAZY_BENCH_EMBEDDING", "vocab") == "vocab"
         hp_lazy.activate(hp_lazy.Plan.auto(tp=world, vocab_parallel_embedding=vocab))
-    real = importlib.import_module(REAL_NAME)
+    real = importlib.import_module(real_name)
     if getattr(real, "__hp_lazy__", None) is None:
-        raise RuntimeError(f"{REAL_NAME} was not imported through hp_lazy's hook")
-    if world > 1 and not hasattr(real.LlamaMLP, "_hp_form"):  # at tp=1 every form is identity: no rewrite
-        raise RuntimeError(f"{REAL_NAME} was not lowered by hp_lazy")
-    if hasattr(plain.LlamaMLP, "_hp_form") or real.LlamaMLP is plain.LlamaMLP:
-        raise RuntimeError(f"{PLAIN_NAME} was lowered too; the plain variants would not be plain")
+        raise RuntimeError(f"{real_name} was not imported through hp_lazy's hook")
+    if world > 1 and not hasattr(getattr(real, mlp), "_hp_form"):  # at tp=1 every form is identity: no rewrite
+        raise RuntimeError(f"{real_name} was not lowered by hp_lazy")
+    if hasattr(getattr(plain, mlp), "_hp_form") or getattr(real, mlp) is getattr(plain, mlp):
+        raise RuntimeError(f"{FAMILY.plain_name} was lowered too; the plain variants would not be plain")
     before = os.environ.pop(VALUES_ENV, None)
     if every_step:
         os.environ[VALUES_ENV] = "1"
@@ -297,7 +329,7 @@ def _load_hp_lazy(path: str, world: int, plain: Any, *, every_step: bool = False
         model = hp_lazy.parallelize(transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
         checks = [m.__dict__[INPUT_CHECK] for m in model.modules() if INPUT_CHECK in m.__dict__]
         if world > 1 and (not checks or any(c.every != every_step for c in checks)):
-            raise RuntimeError(f"{REAL_NAME}: the input check does not digest {'every' if every_step else 'the first'} "
+            raise RuntimeError(f"{real_name}: the input check does not digest {'every' if every_step else 'the first'} "
                                "step as this variant needs")
         return Loaded(model, hp_lazy.full_grads)
     finally:
@@ -312,6 +344,8 @@ def worker(job: dict[str, Any]) -> None:
     import torch.distributed as dist
     import transformers
 
+    global FAMILY
+    FAMILY = FAMILIES[job["family"]]
     torch.set_num_threads(1)
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
@@ -514,7 +548,8 @@ def build_checkpoint(name: str, root: str) -> tuple[str, str]:
     spec = MODELS[name]
     model_dir, inputs = os.path.join(root, name), os.path.join(root, f"{name}_inputs.pt")
     torch.manual_seed(0)
-    transformers.LlamaForCausalLM(transformers.LlamaConfig(**spec.cfg)).save_pretrained(model_dir)
+    config = getattr(transformers, f"{FAMILY.prefix}Config")(**spec.cfg)
+    getattr(transformers, f"{FAMILY.prefix}ForCausalLM")(config).save_pretrained(model_dir)
     ids = torch.randint(0, int(spec.cfg["vocab_size"]), (spec.batch, spec.seq), generator=torch.Generator().manual_seed(1))
     torch.save({"input_ids": ids, "labels": ids.clone()}, inputs)
     return model_dir, inputs
@@ -570,7 +605,7 @@ def counts_text(c: dict[str, Any] | None) -> str:
 def render(name: str, res: dict[str, Any]) -> str:
     spec, world = MODELS[name], res["world"]
     params = "3.4M" if name == "tiny" else "160M"
-    head = (f"### {name} Llama ({params} params, batch {spec.batch} x seq {spec.seq}), {world} rank(s)"
+    head = (f"### {name} {FAMILY.prefix} ({params} params, batch {spec.batch} x seq {spec.seq}), {world} rank(s)"
             f"{'' if world > 1 else ' - framework overhead, no communication'}\n\n")
     if "error" in res:
         return head + "run failed:\n\n```\n" + res["error"] + "\n```\n"
@@ -616,8 +651,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", help="also write the markdown tables to this file")
     ap.add_argument("--hp-embedding", choices=("vocab", "replicated"), default="vocab",
                     help="hp_lazy's embed_tokens: vocab-parallel (default, like tp_plan) or replicated (like bare_tp)")
+    ap.add_argument("--family", choices=sorted(FAMILIES), default="llama",
+                    help="the modeling module: llama (every variant) or olmo2 (q/k norms over every head: "
+                         "transformers' plan gathers q/k/v; dtensor_tp and bare_tp are Llama's recipes)")
     ap.add_argument("--smoke", action="store_true", help="the tiny model on 2 ranks, one round, no warm-up")
     args = ap.parse_args(argv)
+    global FAMILY
+    FAMILY = FAMILIES[args.family]
     if args.smoke:
         args.models, args.world, args.rounds, args.warmup, args.timeout = "tiny", "2", 1, 0, 300
     os.environ["HP_LAZY_BENCH_EMBEDDING"] = args.hp_embedding
@@ -634,7 +674,7 @@ def main(argv: list[str] | None = None) -> None:
             model_dir, inputs = build_checkpoint(name, root)
             job = dict(model=name, model_dir=model_dir, inputs=inputs, variants=variants, steps=args.steps,
                        rounds=args.rounds or spec.rounds, warmup=spec.warmup if args.warmup is None else args.warmup,
-                       profile=args.profile, compile=args.compile)
+                       profile=args.profile, compile=args.compile, family=args.family)
             worlds = [int(w) for w in args.world.split(",")] if args.world else list(spec.worlds)
             for world in worlds:
                 report.append(render(name, launch(job, world, root, args.timeout)))

@@ -104,3 +104,15 @@ def test_cp_step_hybrid_smoke(tmp_path: Path, model: str) -> None:
     rows = _rows(_run("cp_step.py", tmp_path, "--model", model))
     assert sorted(r[2] for r in rows) == ["cp", "cp ulysses", "one process"], rows
     assert all(re.fullmatch(r"[\d.]+", r[3]) for r in rows), rows
+
+
+def test_step_time_olmo2_smoke(tmp_path: Path) -> None:
+    """OLMo 2 (q/k norms over every head): hp_lazy and transformers' gathered plan run and match one
+    process; the Llama-only recipes say why they are skipped."""
+    rows = {r[0]: r for r in _rows(_run("step_time.py", tmp_path, "--family", "olmo2", "--variants",
+                                        "hp_lazy,hf_tp,bare_tp"))}
+    assert set(rows) == {"ref_solo", "hp_lazy", "hf_tp", "bare_tp"}, rows
+    assert all(re.match(r"[\d.]+ / [\d.]+", rows[v][1]) for v in ("hp_lazy", "hf_tp")), rows
+    assert float(rows["hp_lazy"][-1]) <= 1e-5 and float(rows["hp_lazy"][-2]) <= 1e-4, rows["hp_lazy"]
+    assert "own counter: fwd all_gather 1, all_reduce 17" in rows["hp_lazy"][-3], rows["hp_lazy"]
+    assert rows["bare_tp"][1].startswith("skipped: a recipe written for Llama's modules"), rows["bare_tp"]
