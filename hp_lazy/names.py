@@ -78,6 +78,9 @@ NO_HUB_KERNEL = "_hp_no_hub_kernel"
 HUB_CONDITION = "_hp_kernel_condition"
 """Function attribute: a class's ``kernel_condition`` that hp_lazy wrapped to honour :data:`NO_HUB_KERNEL`."""
 
+SPLIT = "_hp_split"
+"""Module ``__dict__`` key: how a norm or a feature statistic over tp-split features runs on this
+rank's slice (:mod:`hp_lazy.runtime.tp.norms`)."""
 DROPOUT_CUTS = "_hp_cuts"
 """``__dict__`` key of a LoRA dropout on a feature-sharded input: the cuts that rebuild one process's mask."""
 LOG_HANDLER = "_hp_lazy"
@@ -87,5 +90,5 @@ GENERATED: frozenset[str] = frozenset({RT, INFO, BINDING, FORM, OUT, CALL})
 ATTACHED: frozenset[str] = frozenset(
     {BOUND, OWNER, LEAF_INPUTS, VOCAB_RANGE, INPUT_CHECK, CP_ENTRY, EP_DISPATCH, EP_LOAD, PATCHED,
      OPTIM_ADOPTED, LAID_OUT, LEAF, WATCH, ADAPTER_HOOKS, LAZY_HOOK, LAZY_INIT, ROUTED, NO_HUB_KERNEL, HUB_CONDITION,
-     WRAPPED, DROPOUT_CUTS, LOG_HANDLER}
+     WRAPPED, DROPOUT_CUTS, LOG_HANDLER, SPLIT}
 )

@@ -160,6 +160,13 @@ MORE_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     # (at tp=4 each K slice, and its k_norm slice, on two ranks); ESM C (a masked LM) a LayerNorm without bias
     "olmo2": ("Olmo2Config", {"num_key_value_heads": 2, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
     "esmc": ("EsmcConfig", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
+    # Gemma 3n: layer 0's MLP keeps the gate activations above mean + 1.64 std of its intermediate row
+    # (activation sparsity 0.95), statistics of features tp splits; AltUp, LAuReL, per-layer inputs beside
+    "gemma3n": ("Gemma3nTextConfig", {"head_dim": 8, "num_key_value_heads": 2, "hidden_size_per_layer_input": 8,
+                                      "vocab_size_per_layer_input": VOCAB, "altup_num_inputs": 2, "laurel_rank": 8,
+                                      "num_kv_shared_layers": 0, "activation_sparsity_pattern": [0.95, 0.0],
+                                      "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 6,
+                                      "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
     # vision-language: a vision tower with its own config (2 blocks) beside the text stack; under
     # cp the text stack splits and the tower runs whole (text-only batches; image inputs refused)
     "qwen2_vl": ("Qwen2VLConfig", {

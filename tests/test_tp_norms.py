@@ -1,7 +1,8 @@
-"""Norms over features tp splits (:mod:`hp_lazy.runtime.tp.norms`): OLMo 2's RMSNorm and ESM C's
-LayerNorm over every head of q/k. Their weights are cut with the projections' rows and their row
-statistics summed over tp, so attention runs on each rank's heads; transformers' own OLMo plan
-gathers q/k/v whole on every rank instead, and ESM C's plan crashes.
+"""Norms and statistics over features tp splits (:mod:`hp_lazy.runtime.tp.norms`): OLMo 2's RMSNorm
+and ESM C's LayerNorm over every head of q/k. Their weights are cut with the projections' rows and
+their row statistics summed over tp, so attention runs on each rank's heads; transformers' own OLMo
+plan gathers q/k/v whole on every rank instead, and ESM C's plan crashes. Gemma 3n's activation
+sparsity (mean and std of the intermediate row colwise gate_proj splits) likewise.
 
 At tp=2 and 4 against one process: logits, loss, every gradient and 3 SGD+wd steps. Per rank and
 forward: one all-reduce of ``[B, S, 1]`` per statistic besides the two block exits, and no
@@ -89,6 +90,70 @@ def test_slice_statistics_fail(refs, pool2: DistPool, pool4: DistPool) -> None:
     got = parity.activated(pool2, sequence_parallel=False).run(_train_local_statistics, path, models.batch())[0]
     with pytest.raises(AssertionError, match="relative errors above"):
         parity.compare(got, ref)
+
+
+def _train_gemma3n(rank: int, world: int, path: str, ids) -> dict:
+    import hp_lazy
+
+    model = hp_lazy.parallelize(models.load(path))
+    mlp = model.model.layers[0].mlp
+    from hp_lazy.runtime.tp import norms
+
+    split = norms._SplitGaussianTopK in type(mlp).__mro__
+    return {**models.run_training(model, ids, full_grads=hp_lazy.full_grads, full_state_dict=hp_lazy.full_state_dict),
+            "split": split, "gate": tuple(mlp.gate_proj.weight.shape)}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_gemma3n_activation_sparsity_matches_one_process(world: int, refs, pool2: DistPool, pool4: DistPool) -> None:
+    pool = parity.activated(pool2 if world == 2 else pool4, sequence_parallel=False)
+    path, ref = refs("gemma3n")
+    results = pool.run(_train_gemma3n, path, models.batch())
+    assert len(parity.compare(results[0], ref)) > 10
+    assert all(r["split"] and r["gate"] == (64 // world, 32) for r in results)  # each rank its slice of the row
+
+
+def _train_gemma3n_local(rank: int, world: int, path: str, ids) -> dict:
+    from hp_lazy.runtime.tp import norms
+
+    original = norms._SplitGaussianTopK._gaussian_topk
+    norms._SplitGaussianTopK._gaussian_topk = lambda self, x: norms._topk(x, self.activation_sparsity, x.shape[-1],
+                                                                           lambda s: s)
+    try:
+        return _train_gemma3n(rank, world, path, ids)
+    finally:
+        norms._SplitGaussianTopK._gaussian_topk = original
+
+
+def test_gemma3n_slice_statistics_fail(refs, pool2: DistPool, pool4: DistPool) -> None:
+    path, ref = refs("gemma3n")
+    got = parity.activated(pool2, sequence_parallel=False).run(_train_gemma3n_local, path, models.batch())[0]
+    with pytest.raises(AssertionError, match="relative errors above"):
+        parity.compare(got, ref)
+
+
+class Centred(nn.Module):
+    """Activation sparsity by another rule (relu(x - mean)): not Gemma 3n's, so tp refuses it."""
+
+    activation_sparsity = 0.95
+
+    def _gaussian_topk(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x - x.mean(-1, keepdim=True))
+
+
+def test_gemma3n_topk_is_recognised_by_its_output() -> None:
+    from transformers.models.gemma3n.modeling_gemma3n import Gemma3nTextMLP
+
+    from hp_lazy.runtime.tp.norms import runs_gaussian_topk
+    from hp_lazy.runtime.tp.style import _refuse_feature_statistics
+
+    mlp = Gemma3nTextMLP.__new__(Gemma3nTextMLP)
+    mlp.activation_sparsity = 0.95
+    assert runs_gaussian_topk(mlp) and not runs_gaussian_topk(Centred())
+    _refuse_feature_statistics("model.layers.0.mlp", mlp, True)  # split at run time
+    with pytest.raises(ShardingError, match=r"^model.layers.0.mlp: activation_sparsity=0.95 keeps the top activations "
+                       r"by the mean and std of the intermediate features, which tp splits across ranks"):
+        _refuse_feature_statistics("model.layers.0.mlp", Centred(), True)
 
 
 class Scaled(nn.Module):

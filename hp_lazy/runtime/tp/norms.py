@@ -1,4 +1,4 @@
-"""Norms over features tp splits: OLMo 2/3's and ESM C's q/k norms run over every head of a
+"""Norms and statistics over features tp splits: OLMo 2/3's and ESM C's q/k norms run over every head of a
 projection (``q_norm(q_proj(x))``), so under tp each rank holds a slice of the features the norm
 reads. The norm's weight (and bias) is cut like the projection's rows (``S(0)``; K/V slices kept on
 ``tp / kv`` ranks as their projection's are), and its row statistics are summed over tp: one
@@ -14,6 +14,10 @@ naming it::
     "rms"         x / sqrt(mean(x^2) + eps) * w               Llama / OLMo 2 RMSNorm
     "rms_offset"  x / sqrt(mean(x^2) + eps) * (1 + w)         Gemma RMSNorm
 
+Gemma 3n's activation sparsity (``_gaussian_topk``: keep the gate activations above
+``mean + std * ppf(sparsity)`` of the intermediate features, which colwise ``gate_proj`` splits) runs
+the same way: mean and variance summed over tp, on each rank's slice.
+
 Statistics are taken in float32 (float64 for float64 inputs) and the output has the input's dtype,
 as transformers' norms do.
 """
@@ -28,6 +32,7 @@ import torch
 from torch import nn
 
 from hp_lazy.errors import ShardingError
+from hp_lazy.names import SPLIT
 from hp_lazy.runtime.comm.pairs import sum_over
 from hp_lazy.runtime.layout import ParamLayout
 from hp_lazy.runtime.leaves import subclass
@@ -38,8 +43,6 @@ if TYPE_CHECKING:
 else:
     _Module = object
 
-SPLIT_NORM = "_hp_split_norm"
-"""Module ``__dict__`` key: the :class:`SplitNorm` of a norm over tp-split features."""
 EPS_ATTRS = ("eps", "variance_epsilon", "epsilon")
 FORMS = ("layer", "rms", "rms_offset")
 PROBE_TOL = 1e-5
@@ -81,7 +84,7 @@ class _SplitNormForward(_Module):
     """Mixin: the norm's form on this rank's slice, statistics summed over tp."""
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        split: SplitNorm = self.__dict__[SPLIT_NORM]
+        split: SplitNorm = self.__dict__[SPLIT]
         x = hidden_states.to(torch.promote_types(hidden_states.dtype, torch.float32))
         out = _apply(split.form, x, split.eps, getattr(self, "weight", None), getattr(self, "bias", None), split.stat)
         return out.to(hidden_states.dtype)
@@ -129,5 +132,46 @@ def install_split_norm(fqn: str, module: nn.Module, layout: ParamLayout, group: 
     assert cut is not None and cut.dim == 0
     features = layout.full_shape[0]
     form, eps = identify(fqn, module, features)
-    module.__dict__[SPLIT_NORM] = SplitNorm(form, eps, features, group, cut.replicas)
+    module.__dict__[SPLIT] = SplitNorm(form, eps, features, group, cut.replicas)
     module.__class__ = subclass(type(module), _SplitNormForward)
+
+
+class _SplitGaussianTopK(_Module):
+    """Mixin: Gemma 3n's ``_gaussian_topk`` with the mean and std of the whole intermediate row."""
+
+    activation_sparsity: float
+
+    def _gaussian_topk(self, inputs: torch.Tensor) -> torch.Tensor:
+        group: Group = self.__dict__[SPLIT]
+        return _topk(inputs, self.activation_sparsity, inputs.shape[-1] * group.size, lambda s: sum_over(s, group))
+
+
+def _topk(inputs: torch.Tensor, sparsity: float, features: int, total) -> torch.Tensor:
+    """``relu(x - (mean + std * ppf(sparsity)))`` over a row of ``features``, ``total`` summing a
+    per-slice statistic over the row."""
+    level = torch.tensor(sparsity, dtype=torch.float32, device=inputs.device)
+    multiplier = torch.distributions.normal.Normal(0, 1).icdf(level).type(inputs.dtype)
+    mean = total(inputs.sum(-1, keepdim=True)) / features
+    centred = inputs - mean
+    std = torch.sqrt(total((centred * centred).sum(-1, keepdim=True)) / features)
+    return torch.relu(inputs - (mean + std * multiplier))
+
+
+def runs_gaussian_topk(module: nn.Module) -> bool:
+    """Whether the module's own ``_gaussian_topk`` is Gemma 3n's (checked on a probe row, on the CPU)."""
+    method = getattr(type(module), "_gaussian_topk", None)
+    sparsity = getattr(module, "activation_sparsity", None)
+    if not callable(method) or not isinstance(sparsity, (int, float)):
+        return False
+    x = torch.randn(3, 16, generator=torch.Generator().manual_seed(0)) * 2 + 0.5
+    with torch.no_grad():
+        own = method(module, x)
+    ours = _topk(x, sparsity, 16, lambda s: s)
+    return isinstance(own, torch.Tensor) and own.shape == ours.shape and torch.allclose(own, ours, rtol=PROBE_TOL,
+                                                                                        atol=PROBE_TOL)
+
+
+def install_split_topk(module: nn.Module, group: Group) -> None:
+    """Gemma 3n's activation sparsity on a tp-split intermediate: statistics summed over tp."""
+    module.__dict__[SPLIT] = group
+    module.__class__ = subclass(type(module), _SplitGaussianTopK)

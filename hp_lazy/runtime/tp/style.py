@@ -29,7 +29,7 @@ from hp_lazy.runtime.style import BindContext, params_matching
 from hp_lazy.runtime.tp.embedding import install_vocab_parallel, vocab_sharded
 from hp_lazy.runtime.tp.heads import check_projections, fit_attention_heads, kv_replicas
 from hp_lazy.runtime.tp.loss import VocabParallelCausalLMLoss
-from hp_lazy.runtime.tp.norms import install_split_norm
+from hp_lazy.runtime.tp.norms import install_split_norm, install_split_topk, runs_gaussian_topk
 
 # Attributes of modules whose forward takes statistics over the features a colwise split shards:
 # on a shard they would be computed from part of the features, silently.
@@ -62,6 +62,7 @@ class TensorParallelStyle:
             mount(module, ctx.groups["tp"], local=True)
         _shard_row_vectors(fqn, module, ctx)
         _split_norms(fqn, module, ctx)
+        _split_statistics(module, contract, ctx)
         fit_attention_heads(fqn, module, contract, ctx.groups, replicas)
 
     def attach(self, fqn: str, module: nn.Module, binding: Binding, ctx: BindContext) -> bool:
@@ -154,13 +155,21 @@ def _refuse_expert_layouts(fqn: str, module: nn.Module, contract: Contract) -> N
 
 
 def _refuse_feature_statistics(fqn: str, module: nn.Module, sharded: bool) -> None:
+    """Statistics over the features a colwise split shards, computed by code hp_lazy cannot split
+    (Gemma 3n's ``_gaussian_topk`` it can: :func:`_split_statistics`)."""
     for attr, what in _FEATURE_STATISTICS.items():
         value = getattr(module, attr, None)
-        if sharded and isinstance(value, (int, float)) and value > 0:
+        if sharded and isinstance(value, (int, float)) and value > 0 and not runs_gaussian_topk(module):
             raise ShardingError(
                 f"{fqn}: {attr}={value} {what}, which tp splits across ranks, so each rank would use partial "
                 f"statistics; use a config with {attr}=0 for this layer, or leave this module out of the plan"
             )
+
+
+def _split_statistics(module: nn.Module, contract: Contract, ctx: BindContext) -> None:
+    sparsity = getattr(module, "activation_sparsity", None)
+    if shards_on(contract, "tp") and isinstance(sparsity, (int, float)) and sparsity > 0 and runs_gaussian_topk(module):
+        install_split_topk(module, ctx.groups["tp"])
 
 
 def _split_norms(fqn: str, module: nn.Module, ctx: BindContext) -> None:
