@@ -31,6 +31,11 @@ _DSA = {"q_lora_rank": 16, "kv_lora_rank": 8, "qk_rope_head_dim": 4, "qk_nope_he
         "moe_intermediate_size": 16, "n_group": 1, "topk_group": 1, "index_topk": 4, "index_n_heads": 2,
         "index_head_dim": 8}
 
+_GEMMA4 = {"head_dim": 8, "global_head_dim": 8, "num_key_value_heads": 2, "sliding_window": 6,
+           "layer_types": ["sliding_attention", "full_attention"], "hidden_size_per_layer_input": 8,
+           "vocab_size_per_layer_input": VOCAB, "num_kv_shared_layers": 0, "pad_token_id": 0, "bos_token_id": 1,
+           "eos_token_id": 2}
+
 MORE_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     # layer 0 a sliding-window layer (window 6), layer 1 full attention; q/k norms; GQA
     "qwen3_sliding": ("Qwen3Config", {"head_dim": 8, "num_key_value_heads": 2, "use_sliding_window": True,
@@ -167,6 +172,12 @@ MORE_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
                                       "num_kv_shared_layers": 0, "activation_sparsity_pattern": [0.95, 0.0],
                                       "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 6,
                                       "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
+    # Gemma 4: its text model's TP plan translates, its vision tower's (projections wrapped in clippable
+    # linears) does not; text-only it runs under tp, with the tower it is refused
+    "gemma4": ("Gemma4TextConfig", {**_GEMMA4}),
+    "gemma4_vl": ("Gemma4Config", {"text_config": {**_GEMMA4}, "audio_config": None, "vision_config": {
+        "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
+        "num_key_value_heads": 4, "head_dim": 8, "global_head_dim": 8}}),
     # vision-language: a vision tower with its own config (2 blocks) beside the text stack; under
     # cp the text stack splits and the tower runs whole (text-only batches; image inputs refused)
     "qwen2_vl": ("Qwen2VLConfig", {
@@ -178,7 +189,8 @@ MORE_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 """Models only some test modules use (the parity modules sweep :data:`CONFIGS`)."""
 
-AUTO = {"qwen2_vl": "AutoModelForImageTextToText", "esmc": "AutoModelForMaskedLM"}
+AUTO = {"qwen2_vl": "AutoModelForImageTextToText", "esmc": "AutoModelForMaskedLM",
+        "gemma4_vl": "AutoModelForImageTextToText"}
 MASKED = ("esmc",)
 """Families no causal-LM Auto class maps: the Auto class they are built with."""
 

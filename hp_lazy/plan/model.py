@@ -233,6 +233,9 @@ class ModulePlan:
     (``"torch.nn.Linear"``, an imported class) is a leaf bound at run time only."""
     roots: tuple[str, ...]
     """Classes of this module whose ``forward`` first binds the model (shards it) if needed."""
+    refused: Mapping[str, str] = field(default_factory=dict)
+    """Classes of this module Plan.auto could not plan (another config's TP plan it cannot translate)
+    -> why: a bound model holding one is refused with that reason."""
     hash: str = ""
 
     def contract(self, pattern: str) -> Contract:
@@ -250,4 +253,5 @@ class ModulePlan:
             "contracts": {c.pattern: c.to_dict() for c in self.contracts},
             "classes": dict(self.classes),
             "roots": list(self.roots),
+            **({"refused": dict(self.refused)} if self.refused else {}),
         }

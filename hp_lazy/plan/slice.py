@@ -59,9 +59,9 @@ def slice_plan(plan: PlanSource, module: str, source: str) -> ModulePlan | None:
         parts = auto_parts(module, source, plan.auto_flags)
         if parts is None:
             return None
-        (contracts, overrides), strict = parts, True
+        (contracts, overrides, refused), strict = parts, True
     else:
-        contracts, overrides = plan.boundaries, dict(plan.boundary_classes)
+        contracts, overrides, refused = plan.boundaries, dict(plan.boundary_classes), {}
         strict = tuple(plan.modules) == (module,)
     facts = analyze(module, source)
     applied = [a for c in contracts if (a := _apply(facts, c, overrides.get(c.pattern), strict)) is not None]
@@ -76,6 +76,7 @@ def slice_plan(plan: PlanSource, module: str, source: str) -> ModulePlan | None:
         contracts=tuple(sorted((a.contract for a in applied), key=lambda c: c.pattern)),
         classes={a.contract.pattern: a.cls for a in sorted(applied, key=lambda a: a.contract.pattern)},
         roots=_roots(facts, applied),
+        refused=dict(refused),
     )
     return replace(sliced, hash=sha256_json(sliced.to_dict()))
 

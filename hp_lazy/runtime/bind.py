@@ -29,7 +29,7 @@ from hp_lazy.runtime.binding import Binding, compile_ops
 from hp_lazy.runtime.cp.style import ContextParallelStyle
 from hp_lazy.runtime.ep.style import ExpertParallelStyle
 from hp_lazy.runtime.layout import LayoutTable, ParamLayout, plan_layout, shard_in_place
-from hp_lazy.runtime.mesh import Mesh, get_mesh
+from hp_lazy.runtime.mesh import Group, Mesh, get_mesh
 from hp_lazy.runtime.record import BoundModel
 from hp_lazy.runtime.sp.stack import install_stack
 from hp_lazy.runtime.style import (
@@ -151,6 +151,7 @@ def _bind_root(
             setattr(module, BINDING, None)  # a lowered class, used here outside any contract
     if all(group.size == 1 for group in groups.values()):
         return ctx, {}  # nothing is lowered at degree 1 (identity forms): the model runs as it is
+    _refuse_unplanned_towers(root, plan, groups)
     if not ctx.bound:
         names = [n for n, _ in root.named_modules()][1:6]
         raise ShardingError(
@@ -174,6 +175,20 @@ def _bind_root(
     _alias_tied(ctx)
     _check_shards_covered(ctx)
     return ctx, used
+
+
+def _refuse_unplanned_towers(root: nn.Module, plan: ModulePlan, groups: dict[str, Group]) -> None:
+    """A module of a class Plan.auto could not plan (its config's TP plan did not translate while
+    the module's other plans did) would run whole on every tp rank: refused, with the reason."""
+    if not plan.refused or groups.get("tp") is None or groups["tp"].size == 1:
+        return
+    for fqn, module in root.named_modules():
+        why = plan.refused.get(type(module).__name__) if type(module).__module__ == plan.module else None
+        if why is not None:
+            raise ShardingError(
+                f"{fqn or type(root).__name__} ({type(module).__name__}): Plan.auto planned this model's other parts "
+                f"for tp={groups['tp'].size} but not this one, which would run whole on every rank: {why}"
+            )
 
 
 def _strip_prefix(root: nn.Module) -> str | None:

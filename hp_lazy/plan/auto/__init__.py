@@ -24,14 +24,15 @@ from __future__ import annotations
 
 import re
 
+from hp_lazy.errors import PlanError
 from hp_lazy.plan.auto import cp as cp_preset
 from hp_lazy.plan.auto import ep as ep_preset
 from hp_lazy.plan.auto import sp as sp_preset
 from hp_lazy.plan.auto import tp as tp_preset
 from hp_lazy.plan.auto.draft import Draft
-from hp_lazy.plan.auto.rules import base_rules, config_plans, head_rules
+from hp_lazy.plan.auto.rules import Rule, base_rules, config_plans, head_rules
 from hp_lazy.plan.model import AutoFlags, Contract
-from hp_lazy.plan.resolve import analyze
+from hp_lazy.plan.resolve import ModuleFacts, analyze
 
 _MODULE = re.compile(r"^transformers\.models\.(\w+)\.modeling_(\w+)$")
 
@@ -50,9 +51,15 @@ def auto_contracts(
     return None if parts is None else parts[0]
 
 
-def auto_parts(module_name: str, source: str, flags: AutoFlags) -> tuple[tuple[Contract, ...], dict[str, str]] | None:
+Parts = tuple[tuple[Contract, ...], dict[str, str], dict[str, str]]
+
+
+def auto_parts(module_name: str, source: str, flags: AutoFlags) -> Parts | None:
     """:func:`auto_contracts` plus the boundary class of each pattern whose slot holds several
-    classes (a layer's ``mlp`` that is a dense MLP in some layers and an MoE block in others)."""
+    classes (a layer's ``mlp`` that is a dense MLP in some layers and an MoE block in others), and
+    the base classes whose TP plan Plan.auto cannot translate while the module's other plans translate
+    (Gemma 4's vision tower beside its text model): class -> why, refused when a model holding one is
+    bound (:func:`translatable`)."""
     if not _MODULE.match(module_name):
         return None
     facts = analyze(module_name, source)
@@ -68,8 +75,10 @@ def auto_parts(module_name: str, source: str, flags: AutoFlags) -> tuple[tuple[C
     if flags.tp > 1 and flags.ep == 1:
         rules = ep_preset.split_over_tp(draft, rules, ep_rules)
         ep_rules = []
+    refused: dict[str, str] = {}
     if flags.tp > 1 or not (flags.cp > 1 or ep_rules):
-        tp_preset.apply(draft, rules)
+        kept, refused = translatable(facts, flags, rules)
+        tp_preset.apply(draft, kept)
     if flags.cp > 1:
         cp_preset.apply(draft, rules)
     if ep_rules:
@@ -77,4 +86,27 @@ def auto_parts(module_name: str, source: str, flags: AutoFlags) -> tuple[tuple[C
     draft.check_nesting()
     if flags.sequence_parallel:
         sp_preset.apply(draft)
-    return draft.contracts(), dict(draft.classes)
+    return draft.contracts(), dict(draft.classes), refused
+
+
+def translatable(facts: ModuleFacts, flags: AutoFlags, rules: list[Rule]) -> tuple[list[Rule], dict[str, str]]:
+    """The rules of every config's TP plan the tp preset translates on its own, and, for each plan it
+    cannot, its base class -> the error. With one config plan, or when none translates, the error
+    is raised here as it is."""
+    groups: dict[str, list[Rule]] = {}
+    for rule in rules:
+        if not rule.head:
+            groups.setdefault(rule.owner, []).append(rule)
+    if len(groups) < 2:
+        return rules, {}
+    refused: dict[str, str] = {}
+    first: PlanError | None = None
+    for group in groups.values():
+        try:
+            tp_preset.apply(Draft(facts, flags), group)
+        except PlanError as error:
+            first = first or error
+            refused.update({base: str(error) for base in sorted({r.base for r in group})})
+    if len(refused) == len({r.base for group in groups.values() for r in group}):
+        raise first  # type: ignore[misc]
+    return [r for r in rules if r.head or r.base not in refused], refused
