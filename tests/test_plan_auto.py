@@ -346,6 +346,17 @@ def test_replicate_keeps_a_module_whole(monkeypatch: pytest.MonkeyPatch) -> None
         "model.layers.*.mlp"}
 
 
+def test_one_pattern_under_two_models_takes_its_rules_class() -> None:
+    """Llama 4's text plan (relative to Llama4TextModel) and vision plan (relative to Llama4VisionModel)
+    both reach a ``layers.*.self_attn``: each pattern is bound to the class its own rule's base holds
+    there, so a vision layer never takes the text contract (nor the reverse)."""
+    plan = Plan.auto(tp=2).slice(*source("llama4"))
+    assert plan.classes["layers.*.self_attn"] == "Llama4TextAttention"
+    assert plan.classes["model.layers.*.self_attn"] == "Llama4VisionAttention"
+    experts = plan.contract("layers.*.feed_forward.experts").to_dict()  # packed_rowwise: [E, in, 2 * out]
+    assert experts["params"] == {"gate_up_proj": {"tp": "SS(-1,2)"}, "down_proj": {"tp": "S(-2)"}}
+
+
 def test_head_keys_naming_no_attribute_are_dropped() -> None:
     """``Llama4ForConditionalGeneration._tp_plan['lm_head']``: that class has no ``lm_head`` (its head
     is ``language_model.lm_head``, planned by ``Llama4ForCausalLM``), so the key plans nothing."""

@@ -85,3 +85,30 @@ def test_confused_expert_ranges_fail_parity(tp2) -> None:
     assert models.rel_err(got["loss"], ref["loss"]) > parity.TOL
     with pytest.raises(AssertionError, match="experts"):
         parity.compare(got, ref)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_llama4_transposed_experts_match_one_process(world: int, refs, pool2: DistPool, pool4: DistPool) -> None:
+    """Llama 4's experts are stored ``[E, in, out]`` and planned 'packed_rowwise' (gate_up_proj: its
+    packed output dim cut) beside 'colwise' (down_proj: its intermediate dim cut), under
+    'moe_tp_experts': every rank runs its slice of every expert; and Llama4ForConditionalGeneration's
+    own ``_tp_plan['lm_head']`` names no module of it (its head is language_model's)."""
+    pool = parity.activated(pool2 if world == 2 else pool4, sequence_parallel=False)
+    errors = parity.check_parity(pool, refs, "llama4")
+    assert len(errors) > 10 and max(errors.values()) <= parity.TOL
+    experts = [n for n in refs("llama4")[1]["grads"] if ".experts." in n]
+    assert experts and all(shapes[n] == _llama4_local(n, world) for shapes in pool.run(_shapes, refs("llama4")[0])
+                           for n in experts)
+
+
+def _llama4_local(name: str, world: int) -> tuple[int, ...]:
+    """[E, hidden, 2 * inter] -> [E, hidden, 2 * inter / tp]; [E, inter, hidden] -> [E, inter / tp, hidden]."""
+    experts, hidden, inter = 4, 32, 64
+    if name.endswith("gate_up_proj"):
+        return (experts, hidden, 2 * inter // world)
+    return (experts, inter // world, hidden)
+
+
+def _shapes(rank: int, world: int, path: str) -> dict[str, tuple[int, ...]]:
+    model = parity._load(path)
+    return {n: tuple(p.shape) for n, p in model.named_parameters()}

@@ -43,7 +43,7 @@ from dataclasses import replace
 
 from hp_lazy.plan.auto.draft import Draft, Entry
 from hp_lazy.plan.auto.rules import Rule
-from hp_lazy.plan.resolve import forward_params
+from hp_lazy.plan.resolve import forward_params, resolve_pattern
 
 SUMMED = frozenset({"replicated_with_grad_allreduce", "mla_kv_a_proj"})
 """Replicated children whose gradient is summed over tp. ``mla_kv_a_proj``: MLA's joint K/V down
@@ -300,7 +300,16 @@ class _Boundaries:
             if len(fits) == 1:
                 self.draft.classes[rule.prefix + parent] = fits[0]
                 return fits[0]
-        return self.draft.class_of(rule, parent)
+        name = self.draft.class_of(rule, parent)
+        if self._elsewhere(rule.prefix + parent, name):  # Llama 4: text and vision layers under one pattern
+            self.draft.classes[rule.prefix + parent] = name
+        return name
+
+    def _elsewhere(self, pattern: str, name: str) -> bool:
+        """``pattern`` reaches a class other than ``name`` from another model class of the module (the
+        text and the vision model of one family, each with ``layers.*.self_attn``): the rule's own base
+        decides, as the bound module's class will."""
+        return any(found - {name} for found in resolve_pattern(self.facts, pattern).values())
 
     def _experts_body(self, rule: Rule, name: str, body: dict) -> dict:
         inputs = self.draft.inputs(rule, name)
