@@ -115,6 +115,15 @@ def test_norms_over_split_features_are_cut_with_their_projection() -> None:
     assert "model.layers.*.self_attn.qkv_proj" in contracts("phi3")  # gathered for no norm: leaves, as planned
 
 
+def test_an_activation_on_a_colwise_output_is_no_norm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``self.act(self.q_proj(x))`` with a weightless module: nothing to cut, no statistics."""
+    plan = {"layers.*.attn.q_proj": "colwise", "layers.*.attn.o_proj": "rowwise"}
+    got = toy(monkeypatch, plan)["model.layers.*.attn"]["params"]
+    assert set(got) == {"q_proj.weight", "q_proj.bias", "o_proj.weight"}
+    monkeypatch.setattr(auto_mod.tp_preset, "_is_norm", lambda draft, name: True)  # the control: taken as a norm
+    assert "act.weight" in toy(monkeypatch, plan)["model.layers.*.attn"]["params"]
+
+
 def test_sequence_parallel_variant() -> None:
     got = contracts("llama", sequence_parallel=True)
     assert got["model.layers"] == {
@@ -225,9 +234,10 @@ TOY_SOURCE = textwrap.dedent(
             self.o_proj = nn.Linear(8, 8)
             self.sinks = nn.Parameter(torch.zeros(config.heads)) if config.sinks else None
             self.table = nn.Parameter(torch.empty((4, 2)))
+            self.act = nn.GELU()
 
         def forward(self, hidden_states):
-            return self.o_proj(self.q_proj(hidden_states))
+            return self.o_proj(self.act(self.q_proj(hidden_states)))
 
     class Orphan(nn.Module):
         def __init__(self):

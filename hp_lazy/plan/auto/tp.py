@@ -111,12 +111,12 @@ def _ungathered(draft: Draft, leaves: list[Rule]) -> dict[int, Rule]:
             continue
         names = draft.facts.resolve(base, parent)
         gathered = {r.key.rpartition(".")[2] for r in group if r.style == "colwise_gather_output"}
-        if len(names) == 1 and set(split_norms(draft, next(iter(names)), gathered).values()) & gathered:
+        if len(names) == 1 and set(_split_norms(draft, next(iter(names)), gathered).values()) & gathered:
             out.update({id(r): replace(r, style=UNGATHER[str(r.style)]) for r in group})
     return out
 
 
-def split_norms(draft: Draft, name: str, colwise: set[str]) -> dict[str, str]:
+def _split_norms(draft: Draft, name: str, colwise: set[str]) -> dict[str, str]:
     """Norm child -> colwise child, for each ``self.<norm>(self.<colwise>(...))`` in the forward
     of class ``name``: a norm over every output feature of the projection, which tp splits."""
     forward = draft.facts.forward(name)
@@ -129,9 +129,23 @@ def split_norms(draft: Draft, name: str, colwise: set[str]) -> dict[str, str]:
             continue
         inner = _self_call(node.args[0])  # type: ignore[attr-defined]
         classes = draft.facts.resolve(name, outer)
-        if inner in colwise and classes and not any(draft.is_linear(c) for c in classes):
+        if inner in colwise and classes and all(_is_norm(draft, c) for c in classes):
             found[outer] = inner
     return found
+
+
+NORMS = frozenset({"torch.nn.LayerNorm", "torch.nn.RMSNorm", "torch.nn.modules.normalization.LayerNorm",
+                   "torch.nn.modules.normalization.RMSNorm"})
+
+
+def _is_norm(draft: Draft, name: str) -> bool:
+    """torch's LayerNorm / RMSNorm, a local subclass of one, or a local class with a ``weight`` of
+    its own (transformers' RMSNorms); not an activation or any other weightless module."""
+    if name in NORMS:
+        return True
+    facts = draft.facts
+    return name in facts.classes and not draft.is_linear(name) and (
+        "weight" in facts.params(name) or bool(facts.external_bases(name) & NORMS))
 
 
 def _self_call(node: ast.AST) -> str | None:
@@ -325,7 +339,7 @@ class _Boundaries:
         colwise = {k.rpartition(".")[0] for k, v in body["params"].items()
                    if k.endswith(".weight") and v == {"tp": "S(0)"}}
         planned = {k.split(".")[0] for k in [*body["params"], *body["grad_sum_params"]]}
-        for norm in sorted(set(split_norms(self.draft, name, colwise)) - planned):  # ESM C's q/k norms
+        for norm in sorted(set(_split_norms(self.draft, name, colwise)) - planned):  # ESM C's q/k norms
             body["params"][f"{norm}.weight"] = body["params"][f"{norm}.bias"] = {"tp": "S(0)"}
             body["optional_params"].append(f"{norm}.bias")
         out = {"in_src": {x: {"tp": "R"}}, "in_dst": {x: {"tp": "R"}},
