@@ -107,6 +107,6 @@ def translatable(facts: ModuleFacts, flags: AutoFlags, rules: list[Rule]) -> tup
         except PlanError as error:
             first = first or error
             refused.update({base: str(error) for base in sorted({r.base for r in group})})
-    if len(refused) == len({r.base for group in groups.values() for r in group}):
-        raise first  # type: ignore[misc]
+    if first is not None and len(refused) == len({r.base for group in groups.values() for r in group}):
+        raise first
     return [r for r in rules if r.head or r.base not in refused], refused
