@@ -1,8 +1,8 @@
 """``Plan.auto`` on a module with several TP plans, one of which it cannot translate (Gemma 4: the
 text model's plan translates; the vision tower's, whose projections sit inside clippable-linear
 wrappers, does not). The text model is planned; a model that holds the tower is refused when bound,
-naming the tower and why, rather than running it whole on every rank. Text-only Gemma 4 at tp=2 and
-4 against one process."""
+naming the tower and why, rather than running it whole on every rank. Text-only Gemma 4 at tp=2
+against one process."""
 
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ from hp_lazy.errors import PlanError
 from hp_lazy.plan import Plan
 
 pool2 = pool_fixture(2, timeout=120)
-pool4 = pool_fixture(4, timeout=180)
 
 WHY = "= 'colwise' has no rowwise sibling under 'encoder.layers.*.self_attn.q_proj'"
 
@@ -76,11 +75,9 @@ def gemma4(refs) -> tuple[str, dict, dict[str, float]]:
     return path, ref, floor
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_text_model_matches_one_process(world: int, gemma4, pool2: DistPool, pool4: DistPool) -> None:
+def test_text_model_matches_one_process(gemma4, pool2: DistPool) -> None:
     path, ref, floor = gemma4
-    results = parity.activated(pool2 if world == 2 else pool4, sequence_parallel=False).run(parity.train, path,
-                                                                                            models.batch())
+    results = parity.activated(pool2, sequence_parallel=False).run(parity.train, path, models.batch())
     errors = parity.compare(results[0], ref, floor)
     assert len(errors) > 10 and all(errors[name] <= parity.TOL for name in ("logits", "loss", "losses"))
     assert all(models.rel_err(r["loss"], ref["loss"]) <= parity.TOL for r in results)

@@ -87,7 +87,7 @@ def test_confused_expert_ranges_fail_parity(tp2) -> None:
         parity.compare(got, ref)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2])
 def test_llama4_transposed_experts_match_one_process(world: int, refs, pool2: DistPool, pool4: DistPool) -> None:
     """Llama 4's experts are stored ``[E, in, out]`` and planned 'packed_rowwise' (gate_up_proj: its
     packed output dim cut) beside 'colwise' (down_proj: its intermediate dim cut), under
