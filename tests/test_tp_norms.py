@@ -190,3 +190,28 @@ def test_forms_are_read_from_the_norms_own_forward() -> None:
     with pytest.raises(ShardingError, match=r"q_norm: Scaled normalises features tp splits, but hp_lazy finds no "
                        r"epsilon on it \(looked for \['eps', 'variance_epsilon', 'epsilon'\]\)"):
         identify("q_norm", nameless, 16)
+
+
+def test_olmo2_compiles_as_one_graph(refs, pool2: DistPool) -> None:
+    """``torch.compile(model, fullgraph=True)`` at tp=2: the split norms' statistics all-reduces are
+    inside the one graph, and the step is one process's."""
+    import test_compile
+
+    path, ref = refs("olmo2")
+    results = parity.activated(pool2, sequence_parallel=False).run(
+        test_compile._compiled, path, models.batch(), "torch.compile before the first forward")
+    assert [r["graph_breaks"] for r in results] == [0, 0] and results[0]["graphs"] == 1
+    assert max(parity.compare(results[0], ref).values()) <= parity.TOL
+
+
+def test_olmo2_through_the_stock_trainer_with_lora_and_checkpointing(refs, pool2: DistPool, tmp_path) -> None:
+    """The user's stack: PEFT LoRA on every projection (q/k's adapters feed the split norms), the stock
+    Trainer with its defaults (clipping at 1.0) and transformers' gradient checkpointing, 3 SGD steps:
+    losses, logged grad norms and every parameter against the same run in one process."""
+    import trainwork
+
+    path, _ = refs("olmo2")
+    ref = trainwork.trainer(0, 1, path, str(tmp_path / "ref"), lora=True, gradient_checkpointing=True)
+    got = parity.activated(pool2, sequence_parallel=False).run(trainwork.trainer, path, str(tmp_path / "hp"),
+                                                               lora=True, gradient_checkpointing=True)
+    trainwork.compare_trainer(got[0], ref)
