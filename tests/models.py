@@ -36,6 +36,9 @@ _GEMMA4 = {"head_dim": 8, "global_head_dim": 8, "num_key_value_heads": 2, "slidi
            "vocab_size_per_layer_input": VOCAB, "num_kv_shared_layers": 0, "pad_token_id": 0, "bos_token_id": 1,
            "eos_token_id": 2}
 
+_T5GEMMA = {"head_dim": 8, "num_key_value_heads": 2, "layer_types": ["sliding_attention", "full_attention"],
+            "sliding_window": 6}
+
 MORE_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     # layer 0 a sliding-window layer (window 6), layer 1 full attention; q/k norms; GQA
     "qwen3_sliding": ("Qwen3Config", {"head_dim": 8, "num_key_value_heads": 2, "use_sliding_window": True,
@@ -178,6 +181,10 @@ MORE_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "gemma4_vl": ("Gemma4Config", {"text_config": {**_GEMMA4}, "audio_config": None, "vision_config": {
         "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
         "num_key_value_heads": 4, "head_dim": 8, "global_head_dim": 8}}),
+    # an encoder-decoder whose one module config plans both stacks (T5Gemma): the decoder's layers and its
+    # embedding, tied to the head, are planned like the encoder's
+    "t5gemma": ("T5GemmaConfig", {"encoder": {**_T5GEMMA}, "decoder": {**_T5GEMMA}, "vocab_size": VOCAB,
+                                  "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": True}),
     # vision-language: a vision tower with its own config (2 blocks) beside the text stack; under
     # cp the text stack splits and the tower runs whole (text-only batches; image inputs refused)
     "qwen2_vl": ("Qwen2VLConfig", {
@@ -190,7 +197,7 @@ MORE_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
 """Models only some test modules use (the parity modules sweep :data:`CONFIGS`)."""
 
 AUTO = {"qwen2_vl": "AutoModelForImageTextToText", "esmc": "AutoModelForMaskedLM",
-        "gemma4_vl": "AutoModelForImageTextToText"}
+        "gemma4_vl": "AutoModelForImageTextToText", "t5gemma": "AutoModelForSeq2SeqLM"}
 MASKED = ("esmc",)
 """Families no causal-LM Auto class maps: the Auto class they are built with."""
 
@@ -220,6 +227,9 @@ def build(name: str, root: str, seed: int = 0) -> str:
     config_cls, extra = CONFIGS[name] if name in CONFIGS else MORE_CONFIGS[name]
     if "text_config" in extra:  # a composite config: the text stack is the tiny one
         config = getattr(transformers, config_cls)(**{**extra, "text_config": {**BASE, **extra["text_config"]}})
+    elif "encoder" in extra:  # an encoder-decoder: both stacks tiny
+        config = getattr(transformers, config_cls)(**{k: {**BASE, **v} if k in ("encoder", "decoder") else v
+                                                      for k, v in extra.items()})
     else:
         config = getattr(transformers, config_cls)(**{**BASE, **extra})
     torch.manual_seed(seed)
@@ -272,11 +282,13 @@ def reference(path: str, ids) -> dict[str, Any]:
 
 
 def load(path: str, dtype: str = "float32"):
-    """The model saved at ``path`` as a causal LM (a masked LM for :data:`MASKED` families)."""
+    """The model saved at ``path`` as a causal LM (a masked LM for :data:`MASKED` families, T5Gemma a
+    sequence-to-sequence LM)."""
     import torch
     import transformers
 
-    auto = "AutoModelForMaskedLM" if os.path.basename(path) in MASKED else "AutoModelForCausalLM"
+    name = os.path.basename(path)
+    auto = AUTO[name] if name in MASKED + ("t5gemma",) else "AutoModelForCausalLM"
     return getattr(transformers, auto).from_pretrained(path, dtype=getattr(torch, dtype))
 
 

@@ -1,8 +1,13 @@
-"""``Plan.auto`` on a module with several TP plans, one of which it cannot translate (Gemma 4: the
-text model's plan translates; the vision tower's, whose projections sit inside clippable-linear
-wrappers, does not). The text model is planned; a model that holds the tower is refused when bound,
-naming the tower and why, rather than running it whole on every rank. Text-only Gemma 4 at tp=2
-against one process."""
+"""``Plan.auto`` on a module with several stacks.
+
+- One module config planning two stacks (T5Gemma's encoder and decoder): both are planned, and the
+  decoder's embedding, tied to the head, is vocab-parallel with it (it was refused as a tie to a
+  shard). T5Gemma at tp=2 against one process.
+- Several TP plans, one of which Plan.auto cannot translate (Gemma 4: the text model's plan
+  translates; the vision tower's, whose projections sit inside clippable-linear wrappers, does not).
+  The text model is planned; a model that holds the tower is refused when bound, naming the tower
+  and why, rather than running it whole on every rank. Text-only Gemma 4 at tp=2 against one
+  process."""
 
 from __future__ import annotations
 
@@ -89,3 +94,24 @@ def test_a_model_holding_the_tower_is_refused(tmp_path_factory, pool2: DistPool)
     assert all(g.startswith("ShardingError: model.vision_tower (Gemma4VisionModel): Plan.auto planned this model's "
                             "other parts for tp=2 but not this one, which would run whole on every rank: ") for g in got)
     assert all(WHY in g for g in got), got
+
+
+def _train_seq2seq(rank: int, world: int, path: str, ids) -> dict:
+    import hp_lazy
+
+    model = models.load(path)
+    result = models.run_training(model, ids, full_grads=hp_lazy.full_grads, full_state_dict=hp_lazy.full_state_dict)
+    local = {n: tuple(p.shape) for n, p in model.named_parameters() if "decoder.layers.0.self_attn.q_proj" in n}
+    return {**result, "local": local}
+
+
+def test_one_config_plans_the_encoder_and_the_decoder(refs, pool2: DistPool) -> None:
+    """T5Gemma at tp=2 (the seq2seq loss, labels shifted into decoder inputs) against one process;
+    the decoder's q_proj holds half its rows on each rank."""
+    patterns = {c.pattern for c in Plan.auto(tp=2).slice(*source("t5gemma")).contracts}
+    assert {"model.encoder.layers.*.self_attn", "model.decoder.layers.*.self_attn", "model.decoder.embed_tokens"} \
+        <= patterns
+    path, ref = refs("t5gemma")
+    results = parity.activated(pool2, sequence_parallel=False).run(_train_seq2seq, path, models.batch())
+    assert len(parity.compare(results[0], ref)) > 10
+    assert all(r["local"] == {"model.decoder.layers.0.self_attn.q_proj.weight": (16, 32)} for r in results)

@@ -95,10 +95,19 @@ def base_rules(
             f"{facts.module}: no model class of the module holds the keys of {owner} "
             f"(e.g. {next(iter(plan))!r}); {FIX}"
         )
-    base = best[3]
-    prefix = _prefix_to(facts, base)
     return [Rule(owner, base, prefix, key, UNIT_STYLES.get(style, style) if isinstance(style, str) else style, False)
-            for key, style in plan.items()]
+            for base, prefix in _bases(facts, scored, best, len(plan)) for key, style in plan.items()]
+
+
+def _bases(facts: ModuleFacts, scored: list[tuple], best: tuple, keys: int) -> list[tuple[str, str]]:
+    """``(base class, FQN prefix)`` the plan applies to: the best-scoring class, or every class tied
+    with it where each holds every key and sits at its own prefix (T5Gemma's encoder and decoder
+    stacks, one module config for both)."""
+    ties = [s for s in scored if s[:2] == best[:2]] if best[1] == keys else [best]
+    prefixes = {s[3]: _prefix_to(facts, s[3]) for s in ties}
+    if len(ties) > 1 and ("" in prefixes.values() or len(set(prefixes.values())) < len(ties)):
+        ties = [best]
+    return [(s[3], prefixes.get(s[3], _prefix_to(facts, s[3]))) for s in sorted(ties, reverse=True)]
 
 
 def _prefix_to(facts: ModuleFacts, base: str) -> str:
