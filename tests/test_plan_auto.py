@@ -370,6 +370,17 @@ def test_one_pattern_under_two_models_takes_its_rules_class() -> None:
     assert experts["params"] == {"gate_up_proj": {"tp": "SS(-1,2)"}, "down_proj": {"tp": "S(-2)"}}
 
 
+def test_a_config_plans_each_stack_it_describes_and_no_other() -> None:
+    """T5Gemma's one module config describes its encoder and its decoder (each holds every key, at its
+    own prefix): both are planned. A tower that merely has the same key paths under another config
+    (Voxtral-Realtime's audio tower beside its text model) is not planned by the text config."""
+    t5 = {c.pattern for c in Plan.auto(tp=2).slice(*source("t5gemma")).contracts}
+    assert {"model.encoder.layers.*.self_attn", "model.decoder.layers.*.self_attn"} <= t5
+    voxtral = {c.pattern for c in Plan.auto(tp=2).slice(*source("voxtral_realtime")).contracts}
+    assert "model.language_model.layers.*.self_attn" in voxtral
+    assert not [p for p in voxtral if "audio_tower" in p]
+
+
 def test_head_keys_naming_no_attribute_are_dropped() -> None:
     """``Llama4ForConditionalGeneration._tp_plan['lm_head']``: that class has no ``lm_head`` (its head
     is ``language_model.lm_head``, planned by ``Llama4ForCausalLM``), so the key plans nothing."""
