@@ -163,6 +163,9 @@ FAMILY_EXTRA: dict[str, dict[str, Any]] = {
     # 6.7e-5 even in float64 (selection ties; one process split by rows moves 4.7e-7), hiding what ep does
     "deepseek_v4": dict(index_topk=512, index_n_heads=64, index_head_dim=128),
     "step3p7": dict(sliding_window=8, mlp_layer_types=["dense", "sparse"]),  # no sliding window by default; MoE from layer 3
+    # DSA families: dense for their first 3 layers by default, so the sweep's 2 layers would have no experts
+    "deepseek_v32": dict(mlp_layer_types=["dense", "sparse"]),
+    "glm_moe_dsa": dict(mlp_layer_types=["dense", "sparse"]),
     "gemma4": dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32),  # the MoE variant
     "cohere_compass": dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
 }
