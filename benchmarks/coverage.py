@@ -166,6 +166,11 @@ FAMILY_EXTRA: dict[str, dict[str, Any]] = {
     # DSA families: dense for their first 3 layers by default, so the sweep's 2 layers would have no experts
     "deepseek_v32": dict(mlp_layer_types=["dense", "sparse"]),
     "glm_moe_dsa": dict(mlp_layer_types=["dense", "sparse"]),
+    # the indexer's top-k (4) a multiple of its key pooling (16 by default); its DSA layers take no RoPE
+    "glm5_next": dict(index_kpool=2, qk_rope_head_dim=0),
+    # one K/V source per kept layer; NVFP4 K/V rounding needs heads 16 wide; its indexer uses at most the
+    # query heads of one K/V head (4 / 2)
+    "kolibri1_1": dict(kv_source_layers=[0, 1], head_dim=16, index_num_heads=2),
     "gemma4": dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32),  # the MoE variant
     "cohere_compass": dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
 }

@@ -284,3 +284,26 @@ def test_mla_gathers_the_compressed_latent(ready) -> None:
     assert expanded["sent"]["reduce_scatter"] == layers * tokens * per_kv
     assert models.rel_err(latent["loss"], expanded["loss"]) <= parity.TOL
     assert max(models.rel_err(latent["grads"][k], expanded["grads"][k]) for k in expanded["grads"]) <= parity.TOL
+
+
+def test_an_indexer_reading_more_of_the_cache_is_refused() -> None:
+    """GLM-5-Next's pooled DSA indexer reads ``cache.layers`` besides ``update_indexer`` (it crashed
+    with an AttributeError under cp): refused by name. DeepSeek-V3.2's reads only the hook."""
+    import torch
+    from transformers.models.deepseek_v32.modeling_deepseek_v32 import DeepseekV32Indexer
+    from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextIndexer
+
+    from hp_lazy.runtime.cp import indexed
+
+    assert indexed._cache_reads(DeepseekV32Indexer.forward) == {"update_indexer"}
+    assert indexed._cache_reads(Glm5NextTextIndexer.forward) == {"layers", "update_indexer"}
+
+    class Attention(torch.nn.Module):  # MLA (expand_kv) with GLM-5-Next's indexer
+        def expand_kv(self):
+            return None
+
+    module = Attention()
+    module.indexer = Glm5NextTextIndexer.__new__(Glm5NextTextIndexer)
+    assert indexed.unsupported(module, "cp_allgather_kv") == (
+        "selects its keys with a DSA indexer (Glm5NextTextIndexer) that reads the cache's ['layers'] besides "
+        "update_indexer, the one hook through which context parallel hands it the whole sequence's indexer keys")

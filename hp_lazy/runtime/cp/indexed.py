@@ -32,7 +32,9 @@ Only with ``cp_mode='allgather'`` (Ulysses splits heads, and would need every ra
 
 from __future__ import annotations
 
+import ast
 import inspect
+import textwrap
 from collections.abc import Callable
 from typing import Any
 
@@ -66,7 +68,22 @@ def unsupported(module: nn.Module, mode: str) -> str | None:
     if indexer is not None and "cache" not in inspect.signature(type(indexer).forward).parameters:
         return (f"selects its keys with a DSA indexer ({type(indexer).__name__}) that takes no cache, the hook "
                 "through which context parallel hands it the whole sequence's indexer keys")
+    reads = sorted(_cache_reads(type(indexer).forward) - {"update_indexer"}) if indexer is not None else []
+    if reads:  # GLM-5-Next's pooled indexer reads the cache's layers and lengths
+        return (f"selects its keys with a DSA indexer ({type(indexer).__name__}) that reads the cache's "
+                f"{reads} besides update_indexer, the one hook through which context parallel hands it the "
+                "whole sequence's indexer keys")
     return None
+
+
+def _cache_reads(forward: Callable[..., Any]) -> set[str]:
+    """The attributes a forward reads of its ``cache`` argument (from its source; none if unreadable)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
+    except (OSError, TypeError, SyntaxError):
+        return set()
+    return {node.attr for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "cache"}
 
 
 class _GatheredKeys:
