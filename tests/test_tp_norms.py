@@ -215,3 +215,24 @@ def test_olmo2_through_the_stock_trainer_with_lora_and_checkpointing(refs, pool2
     got = parity.activated(pool2, sequence_parallel=False).run(trainwork.trainer, path, str(tmp_path / "hp"),
                                                                lora=True, gradient_checkpointing=True)
     trainwork.compare_trainer(got[0], ref)
+
+
+class LearnedScale(nn.Module):
+    """x * w: each feature its own, so exact on a slice without statistics."""
+
+    def __init__(self, features: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight
+
+
+def test_a_per_feature_module_runs_on_its_slice_as_it_is() -> None:
+    from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
+
+    from hp_lazy.runtime.tp.norms import per_feature
+
+    assert per_feature(LearnedScale(16), 16)
+    assert not per_feature(Olmo2RMSNorm(16), 16) and not per_feature(nn.LayerNorm(16), 16)
+    assert not per_feature(Scaled(16), 16)

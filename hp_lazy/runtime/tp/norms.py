@@ -8,7 +8,8 @@ normalises its slice exactly as the whole row would be.
 
 Which math a norm class runs is read from the module at bind: its own forward on a probe row of
 the full width is compared with the three forms below; a class that matches none is refused,
-naming it::
+naming it (a module whose every feature depends on that feature alone, a learned scale, is left
+to run on its slice as it is)::
 
     "layer"       (x - mean) / sqrt(var + eps) * w (+ b)      nn.LayerNorm and subclasses
     "rms"         x / sqrt(mean(x^2) + eps) * w               Llama / OLMo 2 RMSNorm
@@ -102,16 +103,44 @@ def _eps(fqn: str, module: nn.Module) -> float:
     )
 
 
+def _probe(module: nn.Module, features: int, gen: torch.Generator) -> nn.Module:
+    """A float32 CPU copy of ``module`` (the model may still be on meta) with a random weight and
+    bias of ``features``."""
+    probe = copy.deepcopy(module).to_empty(device="cpu").float()
+    for name in ("weight", "bias"):
+        if probe._parameters.get(name) is not None:
+            probe._parameters[name] = nn.Parameter(torch.randn(features, generator=gen))
+    return probe
+
+
+def per_feature(module: nn.Module, features: int) -> bool:
+    """Whether ``module`` computes each feature from that feature alone (a learned scale ``x * w``):
+    its forward on the first half of a probe row, with the first half of its weight, is the first
+    half of its output on the whole row. Such a module runs on its slice as it is."""
+    with torch.no_grad():
+        whole = _probe(module, features, torch.Generator().manual_seed(0))
+        x = torch.randn(3, features, generator=torch.Generator().manual_seed(1))
+        half = copy.deepcopy(whole)
+        for name in ("weight", "bias"):
+            param = half._parameters.get(name)
+            if param is not None:
+                half._parameters[name] = nn.Parameter(param[: features // 2].clone())
+        try:
+            got = half(x[:, : features // 2])
+        except (RuntimeError, ValueError):  # a norm that knows its width (nn.LayerNorm)
+            return False
+        own = whole(x)[:, : features // 2]
+    return isinstance(got, torch.Tensor) and got.shape == own.shape and torch.allclose(got, own, rtol=PROBE_TOL,
+                                                                                       atol=PROBE_TOL)
+
+
 def identify(fqn: str, module: nn.Module, features: int) -> tuple[str, float]:
     """``(form, eps)`` of ``module``: its own forward on a probe row ``[3, features]`` (float32,
     random weight and bias of the whole width, on a CPU copy) against each form."""
     eps = _eps(fqn, module)
-    probe = copy.deepcopy(module).to_empty(device="cpu").float()  # the model may still be on meta
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        for name in ("weight", "bias"):
-            if probe._parameters.get(name) is not None:
-                probe._parameters[name] = nn.Parameter(torch.randn(features, generator=gen))
+        probe = _probe(module, features, gen)
         x = torch.randn(3, features, generator=gen) * 2 + 0.5
         own = probe(x).float()
         weight, bias = probe._parameters.get("weight"), probe._parameters.get("bias")
@@ -131,6 +160,8 @@ def install_split_norm(fqn: str, module: nn.Module, layout: ParamLayout, group: 
     cut = layout.on("tp")
     assert cut is not None and cut.dim == 0
     features = layout.full_shape[0]
+    if per_feature(module, features):  # a learned scale: exact on its slice, no statistics
+        return
     form, eps = identify(fqn, module, features)
     module.__dict__[SPLIT] = SplitNorm(form, eps, features, group, cut.replicas)
     module.__class__ = subclass(type(module), _SplitNormForward)
