@@ -168,6 +168,7 @@ FAMILY_EXTRA: dict[str, dict[str, Any]] = {
     "glm_moe_dsa": dict(mlp_layer_types=["dense", "sparse"]),
     # the indexer's top-k (4) a multiple of its key pooling (16 by default); its DSA layers take no RoPE
     "glm5_next": dict(index_kpool=2, qk_rope_head_dim=0),
+    "zaya": dict(num_experts_per_tok=1),  # top-1 routing only
     # one K/V source per kept layer; NVFP4 K/V rounding needs heads 16 wide; its indexer uses at most the
     # query heads of one K/V head (4 / 2)
     "kolibri1_1": dict(kv_source_layers=[0, 1], head_dim=16, index_num_heads=2),

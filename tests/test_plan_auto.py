@@ -436,6 +436,16 @@ def test_expert_parallel_at_tp1_reads_no_tp_strings() -> None:
     assert hy["model.layers.*.mlp.experts"]["region"]["kind"] == "ep_dispatch"
 
 
+def test_an_ep_plan_alone_places_experts_under_ep() -> None:
+    """OpenAI-Privacy-Filter (and Zaya, Ergo) declare a ``base_model_ep_plan`` and no TP plan: under ep
+    Plan.auto places their experts (it derived nothing, and ep=2 ran them whole on every rank); under tp
+    alone the module has no plan to read."""
+    plan = Plan.auto(tp=1, ep=2).slice(*source("openai_privacy_filter"))
+    assert [c.pattern for c in plan.contracts] == ["layers.*.mlp.experts"]  # a base model (AutoModel) family
+    assert plan.contracts[0].to_dict()["region"] == {"kind": "ep_dispatch"}
+    assert Plan.auto(tp=2).slice(*source("openai_privacy_filter")) is None
+
+
 def test_expert_parallel_keeps_replicated_with_grad_allreduce_whole() -> None:
     """Muse Spark's ep plan keeps the experts' post_expert_norm whole on every rank
     ('replicated_with_grad_allreduce'): the region names it, the expert weights are cut on ep."""
