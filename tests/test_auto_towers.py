@@ -37,17 +37,25 @@ def test_the_untranslatable_plan_is_set_aside_with_its_reason() -> None:
 
 
 def test_a_module_whose_every_plan_fails_is_refused_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two config plans (the vision tower's, under two config names), neither translating: nothing is
+    set aside, the first error is raised as it is; a lone plan that fails is raised as it is too."""
     from hp_lazy.plan import auto as auto_mod
 
     plans = auto_mod.config_plans
 
-    def vision_only(module, facts, attr="base_model_tp_plan"):
-        return [p for p in plans(module, facts, attr) if p[0] == "Gemma4VisionConfig"] if attr == "base_model_tp_plan" \
-            else plans(module, facts, attr)
+    def vision(module, facts, attr="base_model_tp_plan", copies=2):
+        if attr != "base_model_tp_plan":
+            return plans(module, facts, attr)
+        (plan,) = [p for name, p in plans(module, facts, attr) if name == "Gemma4VisionConfig"]
+        return [("Gemma4VisionConfig", plan), ("Gemma4VisionConfigCopy", plan)][:copies]
 
-    monkeypatch.setattr(auto_mod, "config_plans", vision_only)
-    with pytest.raises(PlanError, match=re.escape(WHY)):
-        Plan.auto(tp=2).slice(*source("gemma4"))
+    for copies in (2, 1):
+        monkeypatch.setattr(auto_mod, "config_plans", lambda m, f, attr="base_model_tp_plan", c=copies: vision(m, f, attr, c))
+        with pytest.raises(PlanError, match=re.escape(WHY)):
+            Plan.auto(tp=2).slice(*source("gemma4"))
+    name, src = source("gemma4")
+    assert [owner for owner, _ in vision(name, auto_mod.analyze(name, src))] == [
+        "Gemma4VisionConfig", "Gemma4VisionConfigCopy"]  # the first case really had two plans to translate
 
 
 def _load_vl(rank: int, world: int, path: str) -> str:

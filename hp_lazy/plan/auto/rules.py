@@ -107,7 +107,7 @@ def _bases(facts: ModuleFacts, scored: list[tuple], best: tuple, keys: int) -> l
     prefixes = {s[3]: _prefix_to(facts, s[3]) for s in ties}
     if len(ties) > 1 and ("" in prefixes.values() or len(set(prefixes.values())) < len(ties)):
         ties = [best]
-    return [(s[3], prefixes.get(s[3], _prefix_to(facts, s[3]))) for s in sorted(ties, reverse=True)]
+    return [(s[3], prefixes[s[3]]) for s in sorted(ties, reverse=True)]  # best is always among the ties
 
 
 def _prefix_to(facts: ModuleFacts, base: str) -> str:
