@@ -29,7 +29,12 @@ over dp, are compared whole (``full_grads`` gathers the expert shards) and each 
 shard against its slice (``chunk(2)[rank]`` along dim 0) of the reference gradient. Any PlanError or
 ShardingError raised under ep counts as ``unsupported``, with its reason.
 
-    python benchmarks/coverage.py [--families llama,qwen3] [--jobs 1] [--timeout 300] [--out FILE] [--cp 2 | --ep 2]
+With ``--sp`` the ranks activate ``hp_lazy.activate("auto", tp=2, sequence_parallel=True)``: between
+the tp boundaries each rank holds half the sequence; the step and the comparison are tp's. A
+``PlanError`` or ``ShardingError`` that names sequence parallel counts as ``unsupported``, with its
+reason; any other error (a shape error inside the model) is a ``fail``.
+
+    python benchmarks/coverage.py [--families llama,qwen3] [--jobs 1] [--timeout 300] [--out FILE] [--cp 2 | --ep 2 | --sp]
 """
 
 from __future__ import annotations
@@ -110,7 +115,7 @@ def precheck(family: str) -> Row | None:
         elif _cp() > 1:
             contracts = auto_contracts(name, source, tp=1, cp=_cp())
         else:
-            contracts = auto_contracts(name, source, tp=2)
+            contracts = auto_contracts(name, source, tp=2, sequence_parallel=_sp())
     except PlanError as exc:
         return Row(family, "unsupported", short_plan_error(str(exc)))
     if not contracts:
@@ -384,6 +389,8 @@ def _write_error(path: str, exc: BaseException) -> None:
         kind, reason = "plan", str(exc)[:300]
     if isinstance(exc, (PlanError, ShardingError)) and _ep() > 1:
         kind, reason = "plan", _first_line(exc)
+    if isinstance(exc, (PlanError, ShardingError)) and _sp() and "sequence" in str(exc):
+        kind, reason = "plan", _first_line(exc)
     with open(path, "w", encoding="utf-8") as f:
         json.dump({"kind": kind, "reason": reason}, f)
 
@@ -394,6 +401,10 @@ def _cp() -> int:
 
 def _ep() -> int:
     return int(os.environ.get("HP_COVERAGE_EP", "1"))
+
+
+def _sp() -> bool:
+    return os.environ.get("HP_COVERAGE_SP", "0") == "1"
 
 
 def _step(model: Any, mode: str, join: Any = None, rows: slice = slice(None)) -> tuple[Any, Any]:
@@ -489,7 +500,7 @@ def child_rank(family: str, workdir: str) -> None:
         elif _cp() > 1:
             hp_lazy.activate("auto", cp=_cp())
         else:
-            hp_lazy.activate("auto", tp=2)
+            hp_lazy.activate("auto", tp=2, sequence_parallel=_sp())
         import datetime
 
         import torch
@@ -689,8 +700,9 @@ def read_table(path: str) -> dict[str, Row]:
 
 def render(rows: list[Row]) -> str:
     counts = {s: sum(r.status == s for r in rows) for s in STATUSES}
-    mode = "ep=2" if _ep() > 1 else "cp=2" if _cp() > 1 else "tp=2"
+    mode = "ep=2" if _ep() > 1 else "cp=2" if _cp() > 1 else "tp=2, sequence_parallel=True" if _sp() else "tp=2"
     out = {"ep=2": "--ep 2 --out benchmarks/coverage_ep.md", "cp=2": "--cp 2 --out benchmarks/coverage_cp.md",
+           "tp=2, sequence_parallel=True": "--sp --out benchmarks/coverage_sp.md",
            "tp=2": "--out benchmarks/coverage.md"}[mode]
     plan = "a non-empty `base_model_ep_plan`" if _ep() > 1 else "`base_model_tp_plan`"
     split = (" Under ep each rank feeds one of the reference's 2 rows (data parallel); logits joined over the "
@@ -724,6 +736,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="dtype of every run (float64 tells round-off from a wrong gradient)")
     parser.add_argument("--cp", type=int, default=1, choices=(1, 2), help="2: context parallel (cp=2) instead of tp=2")
     parser.add_argument("--ep", type=int, default=1, choices=(1, 2), help="2: expert parallel (ep=2, dp=2) instead of tp=2")
+    parser.add_argument("--sp", action="store_true", help="tp=2 with sequence_parallel=True")
     parser.add_argument("--update", action="store_true",
                         help="rerun only --families and replace their rows in --out (the other rows kept)")
     parser.add_argument("--_ref", nargs=2, help=argparse.SUPPRESS)
@@ -741,8 +754,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["HP_COVERAGE_DTYPE"] = args.dtype
     os.environ["HP_COVERAGE_CP"] = str(args.cp)
     os.environ["HP_COVERAGE_EP"] = str(args.ep)
-    if args.ep > 1 and args.cp > 1:
-        parser.error("--ep and --cp are separate sweeps")
+    os.environ["HP_COVERAGE_SP"] = "1" if args.sp else "0"
+    if (args.ep > 1) + (args.cp > 1) + args.sp > 1:
+        parser.error("--ep, --cp and --sp are separate sweeps")
     names = [f for f in args.families.split(",") if f] or families()
     if args.update and not (args.out and args.families):
         parser.error("--update needs --out (the table to update) and --families (the rows to rerun)")
