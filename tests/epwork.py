@@ -88,13 +88,15 @@ def _routing(model) -> tuple[list, list]:
 
 
 def run(model, data: dict[str, Any], *, steps: int = 3, rows=None, gather=None, mean=None, full_grads=None,
-        full_state_dict=None) -> dict[str, Any]:
+        full_state_dict=None, join_routing=None) -> dict[str, Any]:
     """One fwd+bwd (logits, loss, grads, routing), then ``steps`` SGD steps with weight decay, on
-    ``data`` (the rows ``rows`` of it, when given)."""
+    ``data`` (the rows ``rows`` of it, when given). ``join_routing``: this rank's routing -> the
+    whole sequence's (sequence parallel routes each tp rank's piece; default ``gather``)."""
     import torch
 
     mine = data if rows is None else {k: v[rows] for k, v in data.items()}
     gather = gather or (lambda t: t)
+    join_routing = join_routing or gather
     mean = mean or (lambda t: t)
     grads_of = full_grads or (lambda m: {n: p.grad.detach().clone() for n, p in m.named_parameters() if p.grad is not None})
     state_of = full_state_dict or (lambda m: {k: v.detach().clone() for k, v in m.state_dict().items()})
@@ -104,7 +106,7 @@ def run(model, data: dict[str, Any], *, steps: int = 3, rows=None, gather=None, 
         handle.remove()
     out.loss.backward()
     rows_here = mine["input_ids"].shape[0]
-    routing = [gather(idx.view(rows_here, -1, idx.shape[-1])) for idx in seen]  # [B, S (local under cp), K]
+    routing = [join_routing(idx.view(rows_here, -1, idx.shape[-1])) for idx in seen]  # [B, S (local under cp, sp), K]
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1e9)  # one process's norm, nothing clipped
     result = {"logits": gather(out.logits.detach()), "loss": mean(out.loss.detach()), "grads": grads_of(model),
               "routing": routing, "norm": norm.detach().clone()}
@@ -126,6 +128,23 @@ def run(model, data: dict[str, Any], *, steps: int = 3, rows=None, gather=None, 
 def reference(path: str, data: dict[str, Any], impl: str = "grouped_mm",
               config: dict[str, Any] | None = None, dtype: str = "float32") -> dict[str, Any]:
     return run(load(path, impl, config, dtype), data)
+
+
+def _tp_sequence(then):
+    """This tp rank's piece of the sequence (dim 1) -> the whole sequence, then ``then``."""
+    import torch
+    import torch.distributed as tdist
+
+    import hp_lazy
+
+    tp = hp_lazy.mesh().group("tp")
+
+    def join(t):
+        parts = [torch.empty_like(t) for _ in range(tp.size)]
+        tdist.all_gather(parts, t.contiguous(), group=tp.pg)
+        return then(torch.cat(parts, dim=1))
+
+    return join
 
 
 def _dp_tools():
@@ -156,9 +175,11 @@ def _dp_tools():
 
 def train(rank: int, world: int, path: str, data: dict[str, Any], impl: str = "grouped_mm",
           grads: bool = True, config: dict[str, Any] | None = None, local_aux: bool = False,
-          dtype: str = "float32", register: bool = False, compile: str | None = None) -> dict[str, Any]:
+          dtype: str = "float32", register: bool = False, compile: str | None = None,
+          sequence: bool = False) -> dict[str, Any]:
     """``register``: a module registered under the bound model before training (a refresh);
-    ``compile``: the model ``model.compile(backend=compile)``d (:func:`cpwork.compiled`)."""
+    ``compile``: the model ``model.compile(backend=compile)``d (:func:`cpwork.compiled`);
+    ``sequence``: sequence parallel (the routing is joined over tp along the sequence)."""
     import sys
 
     import cpwork
@@ -177,7 +198,8 @@ def train(rank: int, world: int, path: str, data: dict[str, Any], impl: str = "g
     dp, gather, mean = _dp_tools()
     per = data["input_ids"].shape[0] // dp.size
     result = run(model, data, rows=slice(dp.rank * per, (dp.rank + 1) * per), gather=gather, mean=mean,
-                 full_grads=hp_lazy.full_grads if grads else (lambda m: {}), full_state_dict=hp_lazy.full_state_dict)
+                 full_grads=hp_lazy.full_grads if grads else (lambda m: {}), full_state_dict=hp_lazy.full_state_dict,
+                 join_routing=_tp_sequence(gather) if sequence else None)
     if local_aux and original is not None:
         module.load_balancing_loss_func = restore
     result["local_experts"] = [m.num_experts for n, m in model.named_modules() if n.endswith("mlp.experts")]
@@ -248,15 +270,15 @@ def activate(rank: int, world: int, **degrees: int) -> None:
     hp_lazy.activate("auto", **degrees)
 
 
-def check(pool, path: str, impl: str = "grouped_mm", dtype: str = "float32", compile: str | None = None
-          ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def check(pool, path: str, impl: str = "grouped_mm", dtype: str = "float32", compile: str | None = None,
+          sequence: bool = False) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """``train`` on every rank of ``pool`` against one process on the global batch: the routing
     (top-k indices) equal, loss and logits on every rank, everything on rank 0 (``parity.compare``)."""
     import parity
 
     data = batch()
     ref = reference(path, data, impl, dtype=dtype)
-    results = pool.run(train, path, data, impl, dtype=dtype, compile=compile)
+    results = pool.run(train, path, data, impl, dtype=dtype, compile=compile, sequence=sequence)
     for got in results:
         for mine, theirs in zip(got["routing"], ref["routing"], strict=True):
             assert (mine == theirs).all()
@@ -400,6 +422,35 @@ def held(rank: int, world: int, path: str) -> dict[str, Any]:
             "held": report.held_bytes, "full": report.full_bytes, "text": str(report),
             "ops": {phase: counter.by_phase(phase) for phase in ("forward", "backward")},
             "warnings": [str(w.message) for w in caught if "torch.distributed" in str(w.message)]}
+
+
+def experts_collectives(rank: int, world: int, path: str) -> dict[str, Any]:
+    """The collectives each ``*.mlp.experts`` call issues in one forward (entry, region and exit:
+    counted between the module's forward pre-hook and hook), by module: ``{op: (count, payload)}``."""
+    import hp_lazy
+
+    model = hp_lazy.parallelize(load(path))
+    open_: dict[str, Any] = {}
+    counted: dict[str, Any] = {}
+
+    def enter(name: str):  # noqa: ANN202
+        def hook(module, args) -> None:  # noqa: ANN001
+            open_[name] = hp_lazy.collective_counter()
+            counted[name] = open_[name].__enter__()
+        return hook
+
+    def leave(name: str):  # noqa: ANN202
+        def hook(module, args, out) -> None:  # noqa: ANN001
+            open_.pop(name).__exit__(None, None, None)
+        return hook
+
+    for name, module in model.named_modules():
+        if name.endswith("mlp.experts"):
+            module.register_forward_pre_hook(enter(name))
+            module.register_forward_hook(leave(name))
+    model(**batch())
+    return {name: {op: (c.counts[(op, "forward")], c.payload[(op, "forward")]) for op, _ in c.counts}
+            for name, c in counted.items()}
 
 
 def train_misrouted(rank: int, world: int, path: str, data: dict[str, Any]) -> dict[str, Any]:

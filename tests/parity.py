@@ -84,6 +84,17 @@ def count(rank: int, world: int, path: str, ids) -> dict[str, dict[str, int]]:
     return {phase: counter.by_phase(phase) for phase in ("forward", "backward")}
 
 
+def count_bytes(rank: int, world: int, path: str, ids) -> dict[str, Any]:
+    """:func:`count`, and the payload of the all-gathers (both phases)."""
+    import hp_lazy
+
+    model = hp_lazy.parallelize(_load(path))
+    with hp_lazy.collective_counter() as counter:
+        model(input_ids=ids, labels=ids).loss.backward()
+    return {**{phase: counter.by_phase(phase) for phase in ("forward", "backward")},
+            "all_gather_bytes": counter.bytes_of("all_gather")}
+
+
 def train_with_broken_entry(rank: int, world: int, path: str, ids) -> dict[str, Any]:
     """Negative control: the lowered entry op (copy_to) dropped from every boundary."""
     import hp_lazy.runtime.rt as rt

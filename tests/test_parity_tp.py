@@ -24,6 +24,27 @@ def test_parity(name: str, world: int, refs, pool2: DistPool, pool4: DistPool) -
     assert len(errors) > 10 and max(errors.values()) <= parity.TOL
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_halved_gate_up_projections_need_no_gather(world: int, refs, pool2: DistPool, pool4: DistPool) -> None:
+    """GLM-4's and Phi-3's MLPs halve gate_up_proj's output (``chunk(2, dim=-1)``), which transformers'
+    plan gathers whole on every rank; here each rank holds its rows of both halves, and the MLP
+    moves one all-reduce of ``[B, S, H]`` each way: the only all-gathers are the logits' (and Phi-3's
+    attention's, leaves as planned: qkv_proj's output is cut in unequal q/k/v ranges, gathered
+    forward, and o_proj's split input gathered backward). Before, each MLP added an all-gather of
+    ``[B, S, 2I]`` (forward; a replicated activation on every rank)."""
+    layers, batch, vocab = models.BASE["num_hidden_layers"], models.batch(), models.VOCAB
+    for name, forward, backward in (("glm4", 1, 0), ("phi3", layers + 1, layers)):
+        pool = _pool(world, pool2, pool4)
+        errors = parity.check_parity(pool, refs, name)
+        assert max(errors.values()) <= parity.TOL
+        path, _ = refs(name)
+        counts = pool.run(parity.count_bytes, path, batch)
+        assert counts[0]["forward"] == {"all_reduce": 2 * layers + 1, "all_gather": forward}
+        assert counts[0]["backward"] == {"all_reduce": 2 * layers + 1, **({"all_gather": backward} if backward else {})}
+        if name == "glm4":  # this rank's vocab slice of the logits, nothing else
+            assert counts[0]["all_gather_bytes"] == batch.numel() * vocab // world * 4
+
+
 def test_dropped_entry_op_fails_parity(refs, pool2: DistPool, pool4: DistPool) -> None:
     """Negative control: without copy_to's backward all-reduce the gradients must differ."""
     path, ref = refs("llama")

@@ -88,15 +88,76 @@ def test_qwen3_norms_between_colwise_and_rowwise_sum_their_grads() -> None:
 
 
 def test_phi3_gathered_colwise_and_split_rowwise_become_leaf_contracts() -> None:
+    """Phi-3's qkv_proj output is sliced into unequal q/k/v ranges: gathered, as planned. Its MLP
+    only halves gate_up_proj's output (``chunk(2, dim=-1)``): one boundary, the packed rows cut in
+    both halves (``SS(0,2)``), no gather."""
     got = contracts("phi3")
     assert got["model.layers.*.self_attn.qkv_proj"] == {**LM_HEAD}
-    assert got["model.layers.*.mlp.gate_up_proj"] == {**LM_HEAD}
-    assert got["model.layers.*.mlp.down_proj"] == {
-        "in_src": {"input": R}, "in_dst": {"input": {"tp": "S(-1)"}},
+    assert got["model.layers.*.mlp"] == {
+        "in_src": {"hidden_states": R}, "in_dst": {"hidden_states": R},
         "out_src": {"output": P}, "out_dst": {"output": R},
-        "params": {"weight": {"tp": "S(1)"}}, "deferred_bias_params": ["bias"], "optional_params": ["bias"],
+        "params": {"gate_up_proj.weight": {"tp": "SS(0,2)"}, "gate_up_proj.bias": {"tp": "SS(0,2)"},
+                   "down_proj.weight": {"tp": "S(1)"}},
+        "deferred_bias_params": ["down_proj.bias"], "optional_params": ["down_proj.bias", "gate_up_proj.bias"],
     }
-    assert "model.layers.*.mlp" not in got
+    assert "model.layers.*.mlp.gate_up_proj" not in got and "model.layers.*.mlp.down_proj" not in got
+
+
+HALVES = textwrap.dedent(
+    '''
+    from torch import nn
+    from ...modeling_utils import PreTrainedModel
+
+    class Halved(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate_up_proj = nn.Linear(8, 16)
+            self.down_proj = nn.Linear(8, 8)
+
+        def forward(self, x):
+            up = self.gate_up_proj(x)
+            gate, up = up.chunk(2, dim=-1)
+            return self.down_proj(up * gate)
+
+    class Reread(Halved):
+        def forward(self, x):
+            up = self.gate_up_proj(x)
+            gate, rest = up.chunk(2, dim=-1)
+            return self.down_proj(rest * gate) + up.sum()
+
+    class Thirds(Halved):
+        def forward(self, x):
+            a, b, c = self.gate_up_proj(x).chunk(3, dim=-1)
+            return self.down_proj(a * b * c)
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.halved = Halved()
+            self.reread = Reread()
+            self.thirds = Thirds()
+
+    class ToyPreTrainedModel(PreTrainedModel):
+        base_model_prefix = "model"
+
+    class ToyModel(ToyPreTrainedModel):
+        def __init__(self, config):
+            super().__init__(config)
+            self.layers = nn.ModuleList([Layer() for _ in range(2)])
+    '''
+)
+
+
+def test_only_a_gathered_output_the_forward_just_halves_is_packed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The gathered output read whole again (``up.sum()``) or cut in three stays a gathered leaf."""
+    plan = {f"layers.*.{m}.{p}": s for m in ("halved", "reread", "thirds")
+            for p, s in (("gate_up_proj", "colwise_gather_output"), ("down_proj", "rowwise_split_input"))}
+    monkeypatch.setattr(auto_mod, "config_plans", lambda module, facts, attr="base_model_tp_plan": [("ToyConfig", plan)] if attr == "base_model_tp_plan" else [])
+    got = {c.pattern: c.to_dict() for c in auto_contracts(TOY, HALVES)}
+    assert got["layers.*.halved"]["params"]["gate_up_proj.weight"] == {"tp": "SS(0,2)"}
+    for module in ("reread", "thirds"):
+        assert f"layers.*.{module}" not in got
+        assert got[f"layers.*.{module}.gate_up_proj"]["out_src"] == {"output": {"tp": "S(-1)"}}
 
 
 def test_norms_over_split_features_are_cut_with_their_projection() -> None:
@@ -170,15 +231,24 @@ def test_moe_experts_are_split_by_expert_over_tp_and_dense_slots_pick_their_clas
     assert plan.classes["model.layers.*.mlp.experts"] == "Qwen3MoeExperts"
 
 
-def test_experts_under_sequence_parallel_are_refused() -> None:
-    with pytest.raises(PlanError) as info:
-        Plan.auto(tp=2, sequence_parallel=True).slice(*source("qwen3_moe"))
-    assert str(info.value) == (
-        "transformers.models.qwen3_moe.modeling_qwen3_moe: Qwen3MoeConfig.base_model_ep_plan['layers.*.mlp.experts'] "
-        "= 'ep_dispatch_experts' (experts split by expert over tp) is not supported together with sequence_parallel "
-        "yet: each tp rank holds other tokens there; "
-        "write an explicit JSON plan for this module (Plan.from_json) instead of Plan.auto"
-    )
+def test_experts_under_sequence_parallel_take_every_rank_rows() -> None:
+    """Inside the sequence-split layer stack the experts' rows (and their top-k ids and weights)
+    arrive cut over tp: gathered in, the partial sums reduce-scattered out."""
+    plan = Plan.auto(tp=2, sequence_parallel=True).slice(*source("qwen3_moe"))
+    body = plan.contract("model.layers.*.mlp.experts").to_dict()
+    rows = {"hidden_states": {"tp": "S(0)"}, "top_k_index": {"tp": "S(0)"}, "top_k_weights": {"tp": "S(0)"}}
+    assert body["in_src"] == rows and body["in_dst"] == {k: {"tp": "R"} for k in rows}
+    assert body["out_src"] == {"output": {"tp": "P(sum)"}} and body["out_dst"] == {"output": {"tp": "S(0)"}}
+    assert plan.contract("model.layers").to_dict()["in_dst"] == {"input": {"tp": "S(1)"}}
+
+
+def test_experts_outside_a_split_stack_stay_replicated_under_sequence_parallel() -> None:
+    """GPT-OSS's TP plan (5.25) holds its embedding and experts only: no boundary splits the layer
+    stack, so the experts take whole rows, as under tp alone."""
+    plan = Plan.auto(tp=2, sequence_parallel=True).slice(*source("gpt_oss"))
+    body = plan.contract("model.layers.*.mlp.experts").to_dict()
+    assert all(p == {"tp": "R"} for p in body["in_src"].values()) and body["out_dst"] == {"output": {"tp": "R"}}
+    assert "model.layers" not in {c.pattern for c in plan.contracts}
 
 
 def test_mla_is_translated() -> None:

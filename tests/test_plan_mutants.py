@@ -175,3 +175,18 @@ def test_only_the_head_leaves_its_output_sharded(pool2: DistPool, refs, tmp_path
     head["boundaries"]["lm_head"]["out_dst"] = {"output": {"tp": "S(-1)"}}
     got = pool2.run(mutate.run, "phi3", "Phi3ForCausalLM", head, path, models.batch(), str(tmp_path / "cache"))
     assert mutate.verdict(got, ref) == "match", got[0].get("refused") or got[0].get("crashed")
+
+
+def test_halved_gate_up_cut_as_one_block_runs_wrong_so_plan_auto_packs_it(pool2: DistPool, refs, tmp_path) -> None:
+    """Negative control for GLM-4's packed MLP: gate_up_proj cut ``S(0)`` (one block: rank 0 all
+    gate rows, rank 1 all up rows) instead of ``SS(0,2)`` is a valid plan that trains wrong; Plan.auto's
+    own (``SS(0,2)``) matches one process."""
+    path, ref = refs("glm4")
+    plan = mutate.explicit_plan("glm4", tp=2)
+    mlp = plan["boundaries"]["model.layers.*.mlp"]
+    assert mlp["params"]["gate_up_proj.weight"] == {"tp": "SS(0,2)"}
+    got = pool2.run(mutate.run, "glm4", "Glm4ForCausalLM", plan, path, models.batch(), str(tmp_path / "cache"))
+    assert mutate.verdict(got, ref) == "match", got[0].get("refused") or got[0].get("crashed")
+    mlp["params"]["gate_up_proj.weight"] = mlp["params"]["gate_up_proj.bias"] = {"tp": "S(0)"}
+    got = pool2.run(mutate.run, "glm4", "Glm4ForCausalLM", plan, path, models.batch(), str(tmp_path / "cache2"))
+    assert mutate.verdict(got, ref).startswith("wrong"), mutate.verdict(got, ref)

@@ -46,7 +46,7 @@ from collections.abc import Mapping, Sequence
 
 from hp_lazy.errors import PlanError
 from hp_lazy.plan.model import Contract
-from hp_lazy.plan.placement import REPLICATE, Partial, Replicate, Shard
+from hp_lazy.plan.placement import REPLICATE, Partial, Placement, Replicate, Shard
 from hp_lazy.plan.transitions import transition_op
 
 _FIX_ENTRY = "declare the boundary's input (e.g. 'hidden_states') with in_src/in_dst on that axis"
@@ -115,7 +115,7 @@ def _check_inside_stacks(contract: Contract, stacks: list[Contract], mesh: Mappi
         for axis in _stack_axes(stack):
             if axis not in _sharding_axes(contract, mesh):
                 continue
-            shard = stack.placement("out_src", "output", axis)
+            shard = _held(contract, stack.placement("out_src", "output", axis))
             fix = f"(the entry gathers the sequence, the exit reduce-scatters it) in the stack {stack.pattern!r}"
             out = contract.placement("out_dst", "output", axis)
             if out != shard:
@@ -132,6 +132,15 @@ def _check_inside_stacks(contract: Contract, stacks: list[Contract], mesh: Mappi
                 )
 
 
+def _held(contract: Contract, shard: Placement) -> Placement:
+    """How ``contract`` receives a stack's sequence shard: as it is, or, for experts split by expert
+    over tp (``tp_experts``), as rows ``S(0)``: the experts take the layer's tokens flattened
+    (``[B * S / tp, H]``) and treat every row alike, so this rank's rows are its sequence shard."""
+    if contract.region is not None and contract.region.kind == "tp_experts" and isinstance(shard, Shard):
+        return Shard(0)
+    return shard
+
+
 def _check_sharded_crossings(contract: Contract, cls: str, stacks: list[Contract]) -> None:
     crossings = [("in_src", n) for n in contract.in_src] + [("out_dst", "output")]
     for side, name in crossings:
@@ -143,7 +152,7 @@ def _check_sharded_crossings(contract: Contract, cls: str, stacks: list[Contract
             if side == "out_dst" and placement.dim == -1 and cls.rpartition(".")[2] == "Linear":
                 continue  # a vocab-sharded head: the vocab-parallel loss reads it
             inside = [s for s in stacks if contract.pattern.startswith(s.pattern + ".")
-                      and any(s.placement("in_dst", n, axis) == placement for n in s.in_dst)]
+                      and any(_held(contract, s.placement("in_dst", n, axis)) == placement for n in s.in_dst)]
             if not inside:
                 raise PlanError(
                     f"{contract.pattern}: {side}[{name!r}] is {placement} on {axis}, but no contract around it "

@@ -5,9 +5,11 @@ gathers its input (``x: S(1) -> R``) and reduce-scatters its output (``output: P
 and the decoder layers' ``nn.ModuleList`` gets a container contract that cuts the sequence on the
 way in, gathers it on the way out and sums the replicated norms' gradients over tp.
 
+Experts split by expert over tp take every tp rank's rows: their inputs are gathered along the
+rows and their output reduce-scattered back (:func:`_token_sharded`).
+
 What cannot run on sequence-cut activations is refused, naming the entry: a per-Linear
-gather/split inside a layer, 5.24's experts-TP, and experts split by expert over tp (each tp rank
-would hold other tokens there).
+gather/split inside a layer and 5.24's experts-TP.
 """
 
 from __future__ import annotations
@@ -22,8 +24,6 @@ CONTAINER_BODY = {
 }
 REFUSED = {
     "experts_tp": "is not supported together with sequence_parallel yet",
-    "tp_experts": "(experts split by expert over tp) is not supported together with sequence_parallel yet: "
-                  "each tp rank holds other tokens there",
 }
 
 
@@ -43,6 +43,21 @@ def apply(draft: Draft) -> None:
             entry.body["in_src"][x] = {"tp": "S(1)"}
             entry.body["out_dst"]["output"] = {"tp": "S(1)"}
             _container(draft, entry.rule)
+    stacks = [pattern for pattern, entry in draft.entries.items() if entry.kind == "container"]
+    for pattern, entry in draft.entries.items():
+        if entry.kind == "tp_experts" and any(pattern.startswith(stack + ".") for stack in stacks):
+            _token_sharded(entry)  # experts outside any split stack (GPT-OSS: no boundary but them) stay tp's
+
+
+def _token_sharded(entry: Entry) -> None:
+    """Experts split by expert over tp, with each tp rank holding other tokens: the experts module
+    takes its rows flattened (``[T, H]``, ``T = B * S / tp``) with their top-k ids and weights; every
+    input is gathered along the rows (``S(0) -> R``), each rank runs its experts on every row, and
+    the partial sums are reduce-scattered back to the rows each rank holds (``P(sum) -> S(0)``). Rows
+    are independent there, so their order after the gather (rank-major) does not matter."""
+    for x in entry.body["in_src"]:
+        entry.body["in_src"][x] = {"tp": "S(0)"}
+    entry.body["out_dst"]["output"] = {"tp": "S(0)"}
 
 
 def _container(draft: Draft, rule: Rule) -> None:

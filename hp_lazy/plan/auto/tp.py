@@ -27,6 +27,11 @@
   the projections for such a norm instead (``colwise_gather_output`` on q/k/v and
   ``rowwise_split_input`` on o: OLMo 2/3, OLMoE, FlexOlmo, MiniMax-M2), Plan.auto reads the siblings
   as a plain colwise -> rowwise pair: the gather would run attention whole on every rank.
+- Likewise a gathered projection whose output the forward only halves along the features
+  (``gate, up = self.gate_up_proj(x).chunk(2, dim=-1)``: GLM's and Phi-3's MLPs) and its split
+  rowwise sibling are read as ``packed_colwise`` -> ``rowwise``: each rank holds its slice of both
+  halves, and the MLP moves one ``[B, S, H]`` all-reduce instead of an all-gather of ``[B, S, 2I]``
+  besides it (and can run under sequence parallel).
 - ``local_params`` (transformers 5.25) marks a module whose own raw parameters its children's
   entries shard (``self_attn.sinks: colwise``): hp_lazy's boundary binds them with the module, so
   the marker must land on a boundary. ``replicate`` keeps a module whole on every rank: no contract,
@@ -111,9 +116,97 @@ def _ungathered(draft: Draft, leaves: list[Rule]) -> dict[int, Rule]:
             continue
         names = draft.facts.resolve(base, parent)
         gathered = {r.key.rpartition(".")[2] for r in group if r.style == "colwise_gather_output"}
-        if len(names) == 1 and set(_split_norms(draft, next(iter(names)), gathered).values()) & gathered:
+        if len(names) != 1:
+            continue
+        name = next(iter(names))
+        if set(_split_norms(draft, name, gathered).values()) & gathered:
             out.update({id(r): replace(r, style=UNGATHER[str(r.style)]) for r in group})
+        elif gathered and _halved(draft, name, gathered) == gathered:
+            out.update({id(r): replace(r, style="packed_colwise" if r.style == "colwise_gather_output"
+                                       else "rowwise") for r in group})
     return out
+
+
+def _halved(draft: Draft, name: str, colwise: set[str]) -> set[str]:
+    """The colwise children of class ``name`` whose output its forward only cuts in two halves along
+    the features (``gate, up = self.gate_up_proj(x).chunk(2, dim=-1)``: GLM's and Phi-3's MLPs,
+    which transformers' plan gathers for that ``chunk``): packed ``[gate; up]`` rows, so each rank
+    can hold its slice of both halves (``SS(0,2)``) and the gather is not needed.
+
+    Read from the forward's top-level statements in order: a name bound to ``self.<child>(...)``
+    must be read only as the receiver of that ``chunk`` until it is bound again."""
+    forward = draft.facts.forward(name)
+    if forward is None:
+        return set()
+    live: dict[str, str] = {}  # variable -> the child whose whole output it holds
+    found: set[str] = set()
+    refused: set[str] = set()
+    for stmt in forward.body:
+        chunked: set[int] = set()
+        for node in ast.walk(stmt):
+            receiver = _halving(node)
+            if receiver is None:
+                continue
+            child = _self_call(receiver)
+            if child in colwise:
+                found.add(child)
+                chunked.add(id(receiver))
+            elif isinstance(receiver, ast.Name) and receiver.id in live:
+                found.add(live[receiver.id])
+                chunked.add(id(receiver))
+        for node in ast.walk(stmt):
+            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id in live \
+                    and id(node) not in chunked:
+                refused.add(live[node.id])
+            child = _self_call(node)
+            if child in colwise and id(node) not in chunked and not _bound(stmt, node):
+                refused.add(child)
+        for target in _targets(stmt):
+            live.pop(target, None)
+        if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name):
+            child = _self_call(stmt.value)
+            if child in colwise:
+                live[stmt.targets[0].id] = child
+    return found - refused
+
+
+def _halving(node: ast.AST) -> ast.expr | None:
+    """``x`` of ``x.chunk(2, dim=-1)`` / ``x.chunk(2, -1)`` / ``torch.chunk(x, 2, dim=-1)``."""
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "chunk"):
+        return None
+    args = list(node.args)
+    if isinstance(node.func.value, ast.Name) and node.func.value.id == "torch":
+        if not args:
+            return None
+        receiver = args.pop(0)
+    else:
+        receiver = node.func.value
+    dims = [k.value for k in node.keywords if k.arg == "dim"] + args[1:]
+    if len(args) < 1 or len(dims) != 1 or len(node.keywords) != sum(k.arg == "dim" for k in node.keywords):
+        return None
+    if _constant(args[0]) != 2 or _constant(dims[0]) != -1:
+        return None
+    return receiver
+
+
+def _constant(node: ast.expr) -> object:
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub) and isinstance(node.operand, ast.Constant):
+        return -node.operand.value  # type: ignore[operator]
+    return node.value if isinstance(node, ast.Constant) else None
+
+
+def _bound(stmt: ast.stmt, call: ast.AST) -> bool:
+    """``call`` is the whole value of a one-name assignment (tracked as live)."""
+    return isinstance(stmt, ast.Assign) and stmt.value is call and len(stmt.targets) == 1 \
+        and isinstance(stmt.targets[0], ast.Name)
+
+
+def _targets(stmt: ast.stmt) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(stmt):
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+    return names
 
 
 def _split_norms(draft: Draft, name: str, colwise: set[str]) -> dict[str, str]:

@@ -9,15 +9,25 @@ rank's part ``E * sum_e f_e^global * sum_local p_e / N^global`` (whose sum over 
 global loss) is returned scaled by dp with the global value as its value: DDP's dp average of
 the gradients then gives one process's gradient of the global aux loss, and ``out.aux_loss`` and
 ``out.loss`` hold the global aux loss on every rank. Two all-reduces per forward.
+
+Under sequence parallel the tp ranks hold consecutive pieces of every row's sequence, so the
+router logits of a tp rank are its piece's tokens: the counts and the row count are summed over
+tp (and dp), the attention mask is cut to this rank's piece, and the part is not scaled by tp
+(the router's gradients are summed over tp, not averaged). :func:`install` puts the function in
+place or refuses what it cannot replace.
 """
 
 from __future__ import annotations
 
 import inspect
+import sys
+from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch import nn
 
+from hp_lazy.errors import ShardingError
 from hp_lazy.runtime.comm import wire
 from hp_lazy.runtime.mesh import Group
 
@@ -33,7 +43,11 @@ def replaceable(fn: Any) -> bool:
         return False
 
 
-def global_load_balancing(group: Group, original: Any) -> Any:
+def global_load_balancing(original: Any, over: Sequence[Group], scale: int, sequence: Group | None = None) -> Any:
+    """transformers' load-balancing loss over the rows of every rank of the groups ``over`` (each
+    rank holding other rows), its gradient scaled by ``scale`` (the dp average to undo);
+    ``sequence``: the group whose ranks hold consecutive pieces of each row (sequence parallel)."""
+
     def load_balancing_loss_func(
         gate_logits: Any, num_experts: int, top_k: int = 2, attention_mask: torch.Tensor | None = None
     ) -> Any:
@@ -43,20 +57,64 @@ def global_load_balancing(group: Group, original: Any) -> Any:
         counts = torch.zeros(num_experts, dtype=torch.float32, device=device)
         probs_sum = torch.zeros(num_experts, dtype=torch.float32, device=device)
         rows = torch.zeros((), dtype=torch.float32, device=device)
+        if attention_mask is not None and sequence is not None:
+            attention_mask = attention_mask.chunk(sequence.size, dim=1)[sequence.rank]
         mask = None if attention_mask is None else attention_mask.reshape(-1).to(device, torch.float32)
         for layer in gate_logits:
             probs = torch.softmax(layer.to(device), dim=-1)
             _, chosen = torch.topk(probs, top_k, dim=-1)
             weight = mask if mask is not None else probs.new_ones(probs.shape[0], dtype=torch.float32)
+            if weight.shape[0] != probs.shape[0]:
+                raise ShardingError(
+                    f"load_balancing_loss_func: the attention mask holds {weight.shape[0]} tokens but this rank's "
+                    f"router logits {probs.shape[0]} rows; hp_lazy computes the aux loss over the tokens each rank "
+                    "routes, so pass the model the attention mask of the batch it runs on"
+                )
             counts = counts.scatter_add(0, chosen.reshape(-1), weight.repeat_interleave(top_k))
             probs_sum = probs_sum + (probs.float() * weight.unsqueeze(-1)).sum(0)
             rows = rows + weight.sum()
-        stats = wire.all_reduce(torch.cat([counts, rows.reshape(1)]).detach().contiguous(), group, "forward")
+        stats = torch.cat([counts, rows.reshape(1)]).detach().contiguous()
+        for group in over:
+            stats = wire.all_reduce(stats, group, "forward")
         total_rows = stats[-1]
         mine = (stats[:-1] / total_rows * probs_sum / total_rows).sum() * num_experts
-        value = wire.all_reduce(mine.detach().reshape(1).clone(), group, "forward").reshape(())
-        scaled = mine * group.size
-        return scaled + (value - scaled).detach()
+        value = mine.detach().reshape(1).clone()
+        for group in over:
+            value = wire.all_reduce(value, group, "forward")
+        scaled = mine * scale
+        return scaled + (value.reshape(()) - scaled).detach()
 
     load_balancing_loss_func.hp_original = original  # type: ignore[attr-defined]
     return load_balancing_loss_func
+
+
+def install(root: nn.Module, over: Sequence[Group], scale: int, sequence: Group | None, *, under: str,
+            cannot: str | None = None) -> None:
+    """Make the aux loss of ``root``'s modeling module global (:func:`global_load_balancing`). Where
+    its function is not transformers' standard one, or ``cannot`` says why it may not be replaced,
+    ``output_router_logits`` is refused (``under``: the parallelism that gives each rank its own rows)."""
+    family = type(root).__qualname__
+    module = sys.modules.get(type(root).__module__)
+    current = getattr(module, NAME, None)
+    if getattr(current, "hp_original", None) is not None:
+        return  # made global by an earlier bind
+    if cannot is None and current is not None and replaceable(current):
+        setattr(module, NAME, global_load_balancing(current, over, scale, sequence))
+        return
+    why = cannot or ("it has none" if current is None else "not transformers' standard one")
+    text = (
+        f"{family}: {{where}} adds the load-balancing aux loss, which transformers computes from this rank's "
+        f"router logits only, so under {under} it is not one process's aux loss over the global batch, and "
+        f"hp_lazy cannot replace this module's {NAME} ({why}); set output_router_logits=False"
+    )
+    if getattr(getattr(root, "config", None), "output_router_logits", False):
+        raise ShardingError(text.format(where="config.output_router_logits=True"))
+    root.register_forward_pre_hook(_refuse(text), with_kwargs=True)
+
+
+def _refuse(text: str) -> Any:
+    def hook(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+        if kwargs.get("output_router_logits"):
+            raise ShardingError(text.format(where="output_router_logits=True"))
+
+    return hook

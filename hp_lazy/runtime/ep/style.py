@@ -35,8 +35,6 @@ every style, :mod:`hp_lazy.runtime.style`):
 from __future__ import annotations
 
 import inspect
-import sys
-from typing import Any
 
 from torch import nn
 
@@ -238,31 +236,6 @@ class ExpertParallelStyle:
     def finish(self, ctx: BindContext) -> None:
         if not self.experts:
             return
-        family = type(ctx.root).__qualname__
-        module = sys.modules.get(type(ctx.root).__module__)
-        current = getattr(module, aux.NAME, None)
-        if getattr(current, "hp_original", None) is not None:
-            return  # made global by an earlier bind
-        if ctx.mesh.degree("cp") == 1 and current is not None and aux.replaceable(current):
-            setattr(module, aux.NAME, aux.global_load_balancing(ctx.mesh.group("dp"), current))
-            return
-        config = getattr(ctx.root, "config", None)
-        if getattr(config, "output_router_logits", False):
-            raise ShardingError(_AUX.format(family=family, where="config.output_router_logits=True"))
-        ctx.root.register_forward_pre_hook(_refuse_aux_loss(family), with_kwargs=True)
-
-
-_AUX = (
-    "{family}: {where} adds the load-balancing aux loss, which transformers computes from this rank's router "
-    "logits only, so under expert parallel it is not one process's aux loss over the global batch, and hp_lazy "
-    "cannot replace this module's load_balancing_loss_func (not the standard one, or under context parallel); set "
-    "output_router_logits=False"
-)
-
-
-def _refuse_aux_loss(family: str) -> Any:
-    def hook(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
-        if kwargs.get("output_router_logits"):
-            raise ShardingError(_AUX.format(family=family, where="output_router_logits=True"))
-
-    return hook
+        cannot = "under context parallel" if ctx.mesh.degree("cp") > 1 else None
+        aux.install(ctx.root, [ctx.mesh.group("dp")], ctx.mesh.degree("dp"), None, under="expert parallel",
+                    cannot=cannot)

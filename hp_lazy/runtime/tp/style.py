@@ -10,7 +10,8 @@
   the expert room's functions;
 - gradients: which replicated parameters hold partial sums over tp (module docstring of
   :mod:`hp_lazy.runtime.grads`);
-- finish: the vocab-parallel loss when the logits stay sharded.
+- finish: the vocab-parallel loss when the logits stay sharded; the global aux loss when the
+  experts take each tp rank's own tokens (sequence parallel).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from hp_lazy.plan.model import Contract
 from hp_lazy.plan.placement import Shard
 from hp_lazy.runtime.adapters import base_of
 from hp_lazy.runtime.binding import Binding
+from hp_lazy.runtime.ep import aux
 from hp_lazy.runtime.ep.style import attach_region, check_region, mount
 from hp_lazy.runtime.layout import plan_layout, shard_in_place
 from hp_lazy.runtime.sp.stack import scatters_output, sequence_sharded_params
@@ -105,8 +107,14 @@ class TensorParallelStyle:
 
     def finish(self, ctx: BindContext) -> None:
         """A head Linear that keeps its logits vocab-sharded (``output: S(-1)`` after the boundary)
-        needs a loss that works on the shards: the root's ``loss_function`` becomes vocab-parallel."""
+        needs a loss that works on the shards: the root's ``loss_function`` becomes vocab-parallel.
+        Experts that take each tp rank's own tokens (sequence parallel) make the load-balancing aux
+        loss global over tp (and dp: :func:`hp_lazy.runtime.ep.aux.install`)."""
         group = ctx.groups["tp"]
+        if any(_is_region(c) and _token_sharded(c) for _, _, c in ctx.bound):
+            over = [group] + ([ctx.mesh.group("dp")] if ctx.mesh.degree("dp") > 1 else [])
+            aux.install(ctx.root, over, ctx.mesh.degree("dp"), group, under="sequence parallel",
+                        cannot="under context parallel" if ctx.mesh.degree("cp") > 1 else None)
         for fqn, bound, contract in ctx.bound:
             module = base_of(bound)  # a head PEFT wrapped
             out = contract.out_dst.get("output", {}).get("tp")
@@ -131,6 +139,11 @@ class TensorParallelStyle:
 
 def _is_region(contract: Contract) -> bool:
     return contract.region is not None and contract.region.kind == "tp_experts"
+
+
+def _token_sharded(contract: Contract) -> bool:
+    """The region's rows arrive cut over tp (sequence parallel: each tp rank routes its own tokens)."""
+    return any(isinstance(contract.placement("in_src", name, "tp"), Shard) for name in contract.in_src)
 
 
 def _deferred(module: nn.Module, contract: Contract) -> list[nn.Parameter]:
