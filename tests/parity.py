@@ -95,6 +95,18 @@ def count_bytes(rank: int, world: int, path: str, ids) -> dict[str, Any]:
             "all_gather_bytes": counter.bytes_of("all_gather")}
 
 
+def train_without_mixers(rank: int, world: int, path: str, ids) -> dict[str, Any]:
+    """Negative control: no token mixer run on the whole sequence under sequence parallel."""
+    from hp_lazy.runtime.sp import mixers
+
+    original = mixers.gather_mixers
+    mixers.gather_mixers = lambda ctx: None
+    try:
+        return train(rank, world, path, ids)
+    finally:
+        mixers.gather_mixers = original
+
+
 def train_with_broken_entry(rank: int, world: int, path: str, ids) -> dict[str, Any]:
     """Negative control: the lowered entry op (copy_to) dropped from every boundary."""
     import hp_lazy.runtime.rt as rt

@@ -46,6 +46,9 @@ class BindContext:
     """id(parameter) -> its layout (tied weights are one parameter)."""
     partial: dict[int, tuple[str, int, int]] = field(default_factory=dict)
     """id(parameter) -> (axis, slots, slot): its gradient is a partial sum over the axis."""
+    whole_sequence: set[int] = field(default_factory=set)
+    """id(parameter) of the token mixers a sequence-parallel stack runs on the whole sequence
+    (:mod:`hp_lazy.runtime.sp.mixers`): whole gradients on every tp rank, not partial sums."""
 
     def add_partial(self, param: nn.Parameter, axis: str, slots: int = 1, slot: int = 0) -> None:
         self.partial.setdefault(id(param), (axis, slots, slot))

@@ -84,7 +84,7 @@ class TensorParallelStyle:
         (sequence parallel): then a bias meets only this rank's tokens; the contract's
         ``grad_sum_params`` (``"*"``: the sequence-parallel stack's norms); and K/V shards kept on
         several ranks, summed over those (their piece's slot)."""
-        claimed = {id(p) for _, m, c in ctx.bound if c.params for p in m.parameters()}
+        claimed = {id(p) for _, m, c in ctx.bound if c.params for p in m.parameters()} | ctx.whole_sequence
         for _, module, contract in ctx.bound:
             deferred = [id(p) for p in _deferred(module, contract)]
             params: list[nn.Parameter] = []

@@ -1,0 +1,55 @@
+"""Token mixers outside the tp boundaries under sequence parallel (:mod:`hp_lazy.runtime.sp.mixers`):
+a hybrid's recurrent layers (Bamba's Mamba2, Jamba's Mamba1, LFM3's short convolution), which
+transformers' TP plans leave whole, run on the whole sequence (gathered in, cut out) while the
+attention and MLP boundaries around them keep the sequence split. One process's loss, logits, every
+gradient and 3 SGD+wd steps at tp=2 and 4; the collectives that costs; without it the numbers are
+silently wrong (negative control); a layer kind with no mixer hp_lazy can find is refused by name."""
+
+from __future__ import annotations
+
+import models
+import parity
+import pytest
+from dist import DistPool, WorkerError, pool_fixture
+
+pool2 = pool_fixture(2, timeout=120)
+pool4 = pool_fixture(4, timeout=180)
+
+
+def _pool(world: int, pool2: DistPool, pool4: DistPool) -> DistPool:
+    return parity.activated(pool2 if world == 2 else pool4, sequence_parallel=True)
+
+
+@pytest.mark.parametrize(("name", "world"), [("bamba", 2), ("bamba", 4), ("jamba", 2), ("lfm3", 2)])
+def test_recurrent_layers_match_one_process(name: str, world: int, refs, pool2: DistPool, pool4: DistPool) -> None:
+    errors = parity.check_parity(_pool(world, pool2, pool4), refs, name)
+    assert len(errors) > 10 and max(errors.values()) <= parity.TOL
+
+
+def test_collectives_of_a_mamba_layer(refs, pool2: DistPool, pool4: DistPool) -> None:
+    """Bamba (layer 0 Mamba2, layer 1 attention; an MLP boundary in each): forward an all-gather
+    into every boundary, one into the Mamba2 mixer, one at the stack's exit and the logits'; a
+    reduce-scatter out of every boundary; the mixer's exit only cuts (backward: its all-gather)."""
+    path, _ = refs("bamba")
+    counts = _pool(2, pool2, pool4).run(parity.count_bytes, path, models.batch())
+    boundaries = 3
+    assert counts[0]["forward"] == {"all_gather": boundaries + 3, "all_reduce": 1, "reduce_scatter": boundaries}
+    assert counts[0]["backward"]["all_gather"] == boundaries + 2  # the reduce-scatters', the exit's, the mixer's
+
+
+def test_mixers_on_this_rank_piece_fail_parity(refs, pool2: DistPool, pool4: DistPool) -> None:
+    """Negative control: the Mamba2 layer left on each rank's piece of the sequence."""
+    path, ref = refs("bamba")
+    got = _pool(2, pool2, pool4).run(parity.train_without_mixers, path, models.batch())[0]
+    assert models.rel_err(got["logits"], ref["logits"]) > 1e-2  # measured 1.75e-1
+
+
+def test_a_layer_kind_with_no_mixer_found_is_refused(refs, pool2: DistPool, pool4: DistPool) -> None:
+    """MiniMax's lightning attention (a 'linear_attention' layer) calls neither transformers'
+    attention nor a recurrent kernel hp_lazy knows."""
+    path, _ = refs("minimax")
+    with pytest.raises(WorkerError) as info:
+        _pool(2, pool2, pool4).run(parity.train, path, models.batch())
+    assert ("ShardingError: model.layers.0 (MiniMaxForCausalLM): layer 0 is a 'linear_attention' layer, which mixes "
+            "tokens along the sequence; sequence parallel splits the sequence between the tp boundaries, and hp_lazy "
+            "finds no module of this layer it can run on the whole sequence") in str(info.value)
