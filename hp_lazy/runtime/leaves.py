@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hp_lazy.names import BINDING, LEAF, LEAF_INPUTS
+from hp_lazy.names import BINDING, IMPL, LEAF, LEAF_INPUTS
 from hp_lazy.runtime.adapters import base_of, is_tuner
 from hp_lazy.runtime.binding import Binding, CallContext
 
@@ -138,3 +138,10 @@ def own_forward(cls: type[nn.Module]) -> Any:
         if klass not in _MIXINS and "forward" in vars(klass):
             return vars(klass)["forward"]
     return cls.forward
+
+
+def calls_attention(module: nn.Module) -> bool:
+    """A module whose forward dispatches through transformers' attention interface (read under
+    the decorators transformers puts on forwards, and under hp_lazy's lowered one)."""
+    code = inspect.unwrap(getattr(type(module), IMPL, type(module).forward))
+    return "ALL_ATTENTION_FUNCTIONS" in getattr(getattr(code, "__code__", None), "co_names", ())

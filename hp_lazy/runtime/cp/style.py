@@ -39,6 +39,7 @@ from hp_lazy.plan.model import Contract
 from hp_lazy.runtime.binding import Binding
 from hp_lazy.runtime.cp import attention, indexed, latent, positions, recurrent, rope
 from hp_lazy.runtime.cp.entry import ContextEntry
+from hp_lazy.runtime.leaves import calls_attention
 from hp_lazy.runtime.style import BindContext
 
 ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention", positions.CHUNKED})
@@ -126,7 +127,7 @@ class ContextParallelStyle:
             recurrent.install(modeling)
         unplanned = [
             (name, m) for name, m in root.named_modules()
-            if getattr(m, "is_causal", None) is not None and hasattr(m, "config") and _calls_attention(m)
+            if getattr(m, "is_causal", None) is not None and hasattr(m, "config") and calls_attention(m)
             and id(m) not in self.attention
         ]
         planned = {id(m): m for m in root.modules() if id(m) in self.attention}
@@ -203,10 +204,3 @@ def _own_mask(calls: list[ast.Call]) -> str | None:
                     isinstance(mask, ast.Constant) and mask.value is None):
                 return ast.unparse(mask)
     return None
-
-
-def _calls_attention(module: nn.Module) -> bool:
-    """A module whose forward dispatches through transformers' attention interface."""
-    code = getattr(type(module), IMPL, type(module).forward)
-    names = getattr(getattr(code, "__code__", None), "co_names", ())
-    return "ALL_ATTENTION_FUNCTIONS" in names

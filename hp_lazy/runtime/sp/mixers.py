@@ -29,11 +29,11 @@ from typing import Any
 from torch import nn
 
 from hp_lazy.errors import ShardingError
-from hp_lazy.names import IMPL
 from hp_lazy.plan.model import Contract
 from hp_lazy.plan.placement import Shard
 from hp_lazy.runtime.comm import pairs
 from hp_lazy.runtime.cp import recurrent
+from hp_lazy.runtime.leaves import calls_attention
 from hp_lazy.runtime.mesh import Group
 from hp_lazy.runtime.style import BindContext
 
@@ -46,12 +46,6 @@ GATHERED = "_hp_sequence_gathered"
 def splits_sequence(contract: Contract) -> bool:
     """A layer-stack contract that cuts the sequence over tp between its entry and exit."""
     return any(isinstance(axes.get("tp"), Shard) for axes in contract.in_dst.values())
-
-
-def calls_attention(module: nn.Module) -> bool:
-    """A module whose forward dispatches through transformers' attention interface."""
-    code = getattr(type(module), IMPL, type(module).forward)
-    return "ALL_ATTENTION_FUNCTIONS" in getattr(getattr(code, "__code__", None), "co_names", ())
 
 
 def mixes_tokens(module: nn.Module) -> bool:
