@@ -74,6 +74,15 @@ def train(rank: int, world: int, path: str, ids) -> dict[str, Any]:
     return result if rank == 0 else {"loss": result["loss"], "logits": result["logits"]}
 
 
+def train_loaded(rank: int, world: int, path: str, ids) -> dict[str, Any]:
+    """:func:`train` on the model ``models.load`` gives (a seq2seq LM for T5Gemma)."""
+    import hp_lazy
+
+    result = models.run_training(models.load(path), ids, full_grads=hp_lazy.full_grads,
+                                 full_state_dict=hp_lazy.full_state_dict)
+    return result if rank == 0 else {"loss": result["loss"], "logits": result["logits"]}
+
+
 def count(rank: int, world: int, path: str, ids) -> dict[str, dict[str, int]]:
     """Collectives of one forward and one backward, after the model is bound."""
     import hp_lazy

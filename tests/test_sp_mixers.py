@@ -1,7 +1,8 @@
 """Token mixers outside the tp boundaries under sequence parallel (:mod:`hp_lazy.runtime.sp.mixers`):
-a hybrid's recurrent layers (Bamba's Mamba2, Jamba's Mamba1, LFM3's short convolution), which
-transformers' TP plans leave whole, run on the whole sequence (gathered in, cut out) while the
-attention and MLP boundaries around them keep the sequence split. One process's loss, logits, every
+a hybrid's recurrent layers (Bamba's Mamba2, Jamba's Mamba1, LFM3's short convolution) and an
+attention module the plan leaves out (T5Gemma's cross-attention), which transformers' TP plans
+leave whole, run on the whole sequence (gathered in, cut out) while the attention and MLP
+boundaries around them keep the sequence split. One process's loss, logits, every
 gradient and 3 SGD+wd steps at tp=2 and 4; the collectives that costs; without it the numbers are
 silently wrong (negative control); a layer kind with no mixer hp_lazy can find is refused by name."""
 
@@ -24,6 +25,15 @@ def _pool(world: int, pool2: DistPool, pool4: DistPool) -> DistPool:
 def test_recurrent_layers_match_one_process(name: str, world: int, refs, pool2: DistPool, pool4: DistPool) -> None:
     errors = parity.check_parity(_pool(world, pool2, pool4), refs, name)
     assert len(errors) > 10 and max(errors.values()) <= parity.TOL
+
+
+def test_unplanned_cross_attention_matches_one_process(refs, pool2: DistPool, pool4: DistPool) -> None:
+    """T5Gemma's TP plan covers self-attention and MLPs; its decoder's cross-attention runs whole.
+    On this rank's decoder tokens only, the encoder states' gradient it returns would be this
+    rank's part, which the encoder then reads as whole (the encoder's gradients 59% off)."""
+    path, ref = refs("t5gemma")
+    results = _pool(2, pool2, pool4).run(parity.train_loaded, path, models.batch())
+    assert len(parity.compare(results[0], ref)) > 10
 
 
 def test_collectives_of_a_mamba_layer(refs, pool2: DistPool, pool4: DistPool) -> None:

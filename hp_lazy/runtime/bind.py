@@ -31,7 +31,7 @@ from hp_lazy.runtime.ep.style import ExpertParallelStyle
 from hp_lazy.runtime.layout import LayoutTable, ParamLayout, plan_layout, shard_in_place
 from hp_lazy.runtime.mesh import Group, Mesh, get_mesh
 from hp_lazy.runtime.record import BoundModel
-from hp_lazy.runtime.sp import mixers
+from hp_lazy.runtime.sp import inputs, mixers
 from hp_lazy.runtime.sp.stack import install_stack
 from hp_lazy.runtime.style import (
     BindContext,
@@ -171,6 +171,7 @@ def _bind_root(
         _bind_boundary(fqn, module, contract, ctx, styles)
     adapters.refuse_cut_parameter_adapters(root, ctx.by_param)
     mixers.gather_mixers(ctx)
+    inputs.cut_layer_inputs(ctx)
     for style in styles:
         style.gradients(ctx)
         style.finish(ctx)

@@ -3,7 +3,10 @@
 Its entry op scatters the first layer's hidden states along the sequence (``R -> S(1)`` on tp)
 and its exit op gathers the last layer's output (``S(1) -> R``), so the model-level code
 (position ids, causal mask, rotary, loss) still sees the whole sequence while every block
-between holds ``seq / tp`` tokens.
+between holds ``seq / tp`` tokens. Hidden states that stack several per-token streams in front of
+``[B, S, H]`` (Gemma 3n's AltUp, ``[A, B, S, H]``) are cut and joined at their own sequence dim,
+the one before the features. Per-layer inputs and token mixers outside the boundaries:
+:mod:`.inputs`, :mod:`.mixers`.
 
 Gradient policy: parameters that act on sequence-sharded activations and are not sharded
 themselves (the blocks' norms, a rowwise bias added after a reduce-scatter) see only this rank's
@@ -15,11 +18,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 
 from hp_lazy.errors import ShardingError
 from hp_lazy.plan.model import Contract
+from hp_lazy.plan.placement import Shard
 from hp_lazy.runtime.binding import Binding
+from hp_lazy.runtime.comm import pairs
 
 
 def install_stack(stack: nn.ModuleList, binding: Binding) -> None:
@@ -32,11 +38,15 @@ def install_stack(stack: nn.ModuleList, binding: Binding) -> None:
 def _stack_entry(binding: Binding) -> Callable[..., tuple[tuple, dict]]:
     (name,) = binding.in_ops or ("input",)
 
+    def enter(x: Any) -> Any:
+        stacked = _stacked(binding, x)
+        return binding.enter(name, x) if stacked is None else pairs.scatter_to(x, binding.groups["tp"], stacked)
+
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if args:
-            return (binding.enter(name, args[0]), *args[1:]), kwargs
+            return (enter(args[0]), *args[1:]), kwargs
         key = "hidden_states" if "hidden_states" in kwargs else next(iter(kwargs))
-        kwargs[key] = binding.enter(name, kwargs[key])
+        kwargs[key] = enter(kwargs[key])
         return args, kwargs
 
     return hook
@@ -44,9 +54,24 @@ def _stack_entry(binding: Binding) -> Callable[..., tuple[tuple, dict]]:
 
 def _stack_exit(binding: Binding) -> Callable[..., Any]:
     def hook(module: nn.Module, args: tuple, output: Any) -> Any:
-        return binding.exit(output)
+        first = output[0] if isinstance(output, tuple) else output
+        stacked = _stacked(binding, first)
+        if stacked is None:
+            return binding.exit(output)
+        joined = pairs.gather_from(first, binding.groups["tp"], stacked)
+        return (joined, *output[1:]) if isinstance(output, tuple) else joined
 
     return hook
+
+
+def _stacked(binding: Binding, x: Any) -> int | None:
+    """The sequence dim of hidden states that stack several per-token streams in front of
+    ``[B, S, H]`` (Gemma 3n's AltUp predictions, ``[A, B, S, H]``): the one before the features,
+    where the contract's ``S(1)`` names ``[B, S, H]``'s; None for ``[B, S, H]`` itself."""
+    shard = binding.contract.placement("in_dst", next(iter(binding.contract.in_dst), "input"), "tp")
+    if not isinstance(x, torch.Tensor) or x.dim() <= 3 or not isinstance(shard, Shard) or shard.dim != 1:
+        return None
+    return x.dim() - 2
 
 
 def scatters_output(contract: Contract) -> bool:

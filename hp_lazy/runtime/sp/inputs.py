@@ -1,0 +1,148 @@
+"""Per-layer inputs of the whole sequence under sequence parallel.
+
+The model's code hands every decoder layer some tensors of its own besides the hidden states:
+the attention mask, the rotary tables, position ids, which only the attention boundary reads (it
+gathers the sequence, so they stay whole), and, in some families, per-token inputs the layer's
+own code combines with its hidden states outside any boundary (Gemma 3n's and EmbeddingGemma 2's
+per-layer embeddings). Those must be cut like the hidden states, or the layer multiplies this
+rank's piece of the sequence by the whole sequence.
+
+Which inputs the layer reads outside its boundaries is read from its class's forward: a parameter
+loaded anywhere but inside the call of a child module that is or holds a boundary or a token mixer
+run on the whole sequence (``self.self_attn(..., attention_mask=attention_mask)``,
+``self.cross_attn(..., encoder_hidden_states=encoder_hidden_states)``). A forward pre-hook on
+each layer cuts those that arrive as a tensor whose dim 1 is the whole sequence (``scatter_to``: this rank's piece; backward
+all-gathers the pieces' gradients, the whole gradient on every rank, as the stack's entry does).
+
+A boundary there must receive the layer's hidden states, ``[batch, seq / tp, ...]``: its first
+call checks it (:func:`_check_rows`), and refuses rows the layer selected from them.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import inspect
+import textwrap
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from hp_lazy.errors import ShardingError
+from hp_lazy.plan.placement import Shard
+from hp_lazy.runtime.comm import pairs
+from hp_lazy.runtime.leaves import own_forward
+from hp_lazy.runtime.mesh import Group
+from hp_lazy.runtime.sp.mixers import GATHERED, splits_sequence
+from hp_lazy.runtime.style import BindContext
+
+CUT = "_hp_sequence_inputs"
+"""Attribute set on a layer whose inputs are cut (idempotent)."""
+CHECKED = "_hp_sequence_checked"
+"""Attribute set on a boundary whose sequence-cut input is checked at its first call."""
+
+
+def cut_layer_inputs(ctx: BindContext) -> None:
+    """Cut the per-layer inputs each layer of a sequence-split stack reads outside its boundaries,
+    and check the boundaries' own sequence-cut inputs at their first call (:func:`_check_rows`)."""
+    for stack_fqn, stack, contract in ctx.bound:
+        if not isinstance(stack, nn.ModuleList) or not splits_sequence(contract):
+            continue
+        bounded = {id(b) for _, b, _ in ctx.bound if b is not stack}
+        for layer in stack:
+            whole = frozenset(n for n, c in layer.named_children() if _takes_whole(c, bounded))
+            names = read_outside(type(layer), whole)
+            if names and not getattr(layer, CUT, False):
+                layer.register_forward_pre_hook(_cut(names, ctx.groups["tp"]), with_kwargs=True)
+                setattr(layer, CUT, True)
+        for fqn, module, inner in ctx.bound:
+            cut = [n for n in inner.in_src if isinstance(inner.placement("in_src", n, "tp"), Shard)]
+            if fqn.startswith(stack_fqn + ".") and cut and inner.region is None and not getattr(module, CHECKED, False):
+                _check_rows(fqn, module, cut[0], type(ctx.root).__qualname__)
+
+
+def _check_rows(fqn: str, module: nn.Module, name: str, family: str) -> None:
+    """At its first call, a boundary inside a sequence-split stack must receive ``name`` as
+    ``[.., S / tp, H]``: code that flattens or indexes the tokens before calling it (HiggsAudio-v2's
+    ``self.mlp(h[~audio_mask])``, rows of ``[N, H]``) hands it something no gather along the
+    sequence rebuilds. Refused by name; the hook then removes itself."""
+    handle: list = []
+
+    def hook(mod: nn.Module, args: tuple, kwargs: dict) -> None:
+        value = kwargs.get(name, args[0] if args else None)
+        if isinstance(value, torch.Tensor) and value.dim() < 3:
+            raise ShardingError(
+                f"{fqn} ({family}): under sequence parallel this boundary's input {name!r} must arrive as the "
+                f"layer's hidden states, [batch, seq / tp, ...], which it gathers along the sequence; it got shape "
+                f"{list(value.shape)}: the layer's code flattens or selects tokens before calling it, and no gather "
+                "along the sequence rebuilds that; train this family without sequence_parallel"
+            )
+        handle.pop().remove()
+
+    handle.append(module.register_forward_pre_hook(hook, with_kwargs=True))
+    setattr(module, CHECKED, True)
+
+
+def _takes_whole(child: nn.Module, bounded: set[int]) -> bool:
+    """A child that is, or holds, a boundary or a token mixer run on the whole sequence: the
+    inputs the layer hands it (an encoder's states for a cross-attention, a padding mask for a
+    Mamba layer) are read there, whole."""
+    return any(id(m) in bounded or getattr(m, GATHERED, False) for m in child.modules())
+
+
+@functools.cache
+def read_outside(cls: type[nn.Module], boundaries: frozenset[str]) -> tuple[str, ...]:
+    """The forward parameters of ``cls`` (after ``self`` and the hidden states) it reads outside
+    the calls of its children ``boundaries``; () when the source cannot be read."""
+    forward = inspect.unwrap(own_forward(cls))
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
+    except (OSError, TypeError, SyntaxError):
+        return ()
+    fn = tree.body[0]
+    if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return ()
+    params = [a.arg for a in fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs][2:]
+    inside: set[int] = set()
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Call) and _self_child(node.func) in boundaries:
+            inside.update(id(n) for arg in [*node.args, *(k.value for k in node.keywords)] for n in ast.walk(arg))
+    read = {n.id for n in ast.walk(fn) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)
+            and n.id in params and id(n) not in inside}
+    return tuple(p for p in params if p in read)
+
+
+def _self_child(node: ast.expr) -> str | None:
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
+        return node.attr
+    return None
+
+
+def _cut(names: tuple[str, ...], group: Group) -> Callable[..., tuple[tuple, dict]]:
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        if not isinstance(hidden, torch.Tensor) or hidden.dim() < 3:
+            return args, kwargs
+        whole = hidden.shape[-2] * group.size  # the stack holds [.., S / tp, H] here
+        positional = _names(type(module))
+        items = list(args)
+        for name in names:
+            at = positional.index(name) + 1 if name in positional else len(items)  # args[0]: the hidden states
+            where = at if at < len(items) else None
+            value = items[where] if where is not None else kwargs.get(name)
+            if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == whole:
+                value = pairs.scatter_to(value, group, 1)
+                if where is not None:
+                    items[where] = value
+                else:
+                    kwargs[name] = value
+        return tuple(items), kwargs
+
+    return hook
+
+
+@functools.cache
+def _names(cls: type[nn.Module]) -> tuple[str, ...]:
+    params = list(inspect.signature(inspect.unwrap(own_forward(cls))).parameters)
+    return tuple(params[2:])  # after self and the hidden states
