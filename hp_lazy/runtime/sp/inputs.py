@@ -11,8 +11,9 @@ Which inputs the layer reads outside its boundaries is read from its class's for
 loaded anywhere but inside the call of a child module that is or holds a boundary or a token mixer
 run on the whole sequence (``self.self_attn(..., attention_mask=attention_mask)``,
 ``self.cross_attn(..., encoder_hidden_states=encoder_hidden_states)``). A forward pre-hook on
-each layer cuts those that arrive as a tensor whose dim 1 is the whole sequence (``scatter_to``: this rank's piece; backward
-all-gathers the pieces' gradients, the whole gradient on every rank, as the stack's entry does).
+each layer cuts those that arrive as a tensor whose dim 1 is the whole sequence (``scatter_to``:
+this rank's piece; backward all-gathers the pieces' gradients, the whole gradient on every rank,
+as the stack's entry does).
 
 A boundary there must receive the layer's hidden states, ``[batch, seq / tp, ...]``: its first
 call checks it (:func:`_check_rows`), and refuses rows the layer selected from them.
