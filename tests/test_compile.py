@@ -17,6 +17,7 @@ from dist import DistPool, pool_fixture
 pool2 = pool_fixture(2, timeout=180)
 cp_pool = pool_fixture(2, timeout=180)  # activations of their own (pool2 keeps its tp plan)
 ep_pool = pool_fixture(2, timeout=180)
+sp_pool = pool_fixture(2, timeout=180)
 
 
 def _compiled(rank: int, world: int, path: str, ids, how: str) -> dict:
@@ -143,3 +144,14 @@ def test_compiled_model_under_ep(ep_pool: DistPool, refs) -> None:
     for got in results:
         reasons = {reason.split("\n")[0] for reason in got["graph_breaks"]}
         assert reasons == {"Skip calling `torch.compiler.disable()`d function"}, got["graph_breaks"]
+
+
+@pytest.mark.parametrize("name", ["llama", "bamba"])
+def test_compiled_model_under_sequence_parallel(name: str, sp_pool: DistPool, refs) -> None:
+    """Sequence parallel's hooks (the stack's cut and join, the first-call check of each boundary's
+    input, Bamba's Mamba2 layer run on the whole sequence) trace into one graph, exact."""
+    path, ref = refs(name)
+    results = parity.activated(sp_pool, sequence_parallel=True).run(_compiled, path, models.batch(),
+                                                                    "torch.compile before the first forward")
+    assert [r["graph_breaks"] for r in results] == [0, 0]
+    assert max(parity.compare(results[0], ref).values()) <= parity.TOL

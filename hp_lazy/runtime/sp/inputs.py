@@ -15,8 +15,8 @@ each layer cuts those that arrive as a tensor whose dim 1 is the whole sequence 
 this rank's piece; backward all-gathers the pieces' gradients, the whole gradient on every rank,
 as the stack's entry does).
 
-A boundary there must receive the layer's hidden states, ``[batch, seq / tp, ...]``: its first
-call checks it (:func:`_check_rows`), and refuses rows the layer selected from them.
+A boundary there must receive the layer's hidden states, ``[batch, seq / tp, ...]``: a pre-hook
+checks it (:func:`_check_rows`), and refuses rows the layer selected from them.
 """
 
 from __future__ import annotations
@@ -41,12 +41,12 @@ from hp_lazy.runtime.style import BindContext
 CUT = "_hp_sequence_inputs"
 """Attribute set on a layer whose inputs are cut (idempotent)."""
 CHECKED = "_hp_sequence_checked"
-"""Attribute set on a boundary whose sequence-cut input is checked at its first call."""
+"""Attribute set on a boundary whose sequence-cut input is checked (idempotent)."""
 
 
 def cut_layer_inputs(ctx: BindContext) -> None:
     """Cut the per-layer inputs each layer of a sequence-split stack reads outside its boundaries,
-    and check the boundaries' own sequence-cut inputs at their first call (:func:`_check_rows`)."""
+    and check the boundaries' own sequence-cut inputs (:func:`_check_rows`)."""
     for stack_fqn, stack, contract in ctx.bound:
         if not isinstance(stack, nn.ModuleList) or not splits_sequence(contract):
             continue
@@ -64,11 +64,10 @@ def cut_layer_inputs(ctx: BindContext) -> None:
 
 
 def _check_rows(fqn: str, module: nn.Module, name: str, family: str) -> None:
-    """At its first call, a boundary inside a sequence-split stack must receive ``name`` as
-    ``[.., S / tp, H]``: code that flattens or indexes the tokens before calling it (HiggsAudio-v2's
-    ``self.mlp(h[~audio_mask])``, rows of ``[N, H]``) hands it something no gather along the
-    sequence rebuilds. Refused by name; the hook then removes itself."""
-    handle: list = []
+    """A boundary inside a sequence-split stack must receive ``name`` as ``[.., S / tp, H]``: code
+    that flattens or indexes the tokens before calling it (HiggsAudio-v2's ``self.mlp(h[~audio_mask])``,
+    rows of ``[N, H]``) hands it something no gather along the sequence rebuilds. Refused by name.
+    A rank check on every call (a guard under ``torch.compile``, no graph break)."""
 
     def hook(mod: nn.Module, args: tuple, kwargs: dict) -> None:
         value = kwargs.get(name, args[0] if args else None)
@@ -79,9 +78,8 @@ def _check_rows(fqn: str, module: nn.Module, name: str, family: str) -> None:
                 f"{list(value.shape)}: the layer's code flattens or selects tokens before calling it, and no gather "
                 "along the sequence rebuilds that; train this family without sequence_parallel"
             )
-        handle.pop().remove()
 
-    handle.append(module.register_forward_pre_hook(hook, with_kwargs=True))
+    module.register_forward_pre_hook(hook, with_kwargs=True)
     setattr(module, CHECKED, True)
 
 

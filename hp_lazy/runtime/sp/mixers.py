@@ -11,8 +11,8 @@ its hidden states are all-gathered along the sequence on the way in (``gather_fr
 keeps this rank's piece of the gradient) and cut back to this rank's piece on the way out
 (``scatter_to``: backward all-gathers the pieces' gradients). Every rank then computes the same
 whole output and the whole gradient of its parameters, so those are left out of the stack's
-partial sums over tp (:attr:`BindContext.whole_sequence`). Per module and pass: one all-gather of
-``[B, S, H]`` each way, the bytes a boundary's entry moves.
+partial sums over tp (:attr:`BindContext.whole_sequence`). Per module: one all-gather of this
+rank's ``[B, S / tp, H]`` forward and one backward, what a boundary's entry and exit move.
 
 Found by what the module's forward calls: transformers' attention interface, or a recurrent
 kernel :mod:`hp_lazy.runtime.cp.recurrent` knows (its causal convolution with the delta rules,
@@ -123,7 +123,8 @@ def _gather_in(group: Group) -> Callable[..., tuple[tuple, dict]]:
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if args:
             return (pairs.gather_from(args[0], group, 1), *args[1:]), kwargs
-        kwargs["hidden_states"] = pairs.gather_from(kwargs["hidden_states"], group, 1)
+        key = "hidden_states" if "hidden_states" in kwargs else next(iter(kwargs))
+        kwargs[key] = pairs.gather_from(kwargs[key], group, 1)
         return args, kwargs
 
     return hook
