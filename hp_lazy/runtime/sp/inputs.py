@@ -53,7 +53,7 @@ def cut_layer_inputs(ctx: BindContext) -> None:
         bounded = {id(b) for _, b, _ in ctx.bound if b is not stack}
         for layer in stack:
             whole = frozenset(n for n, c in layer.named_children() if _takes_whole(c, bounded))
-            names = read_outside(type(layer), whole)
+            names = read_outside(_kind(layer), whole)
             if names and not getattr(layer, CUT, False):
                 layer.register_forward_pre_hook(_cut(names, ctx.groups["tp"]), with_kwargs=True)
                 setattr(layer, CUT, True)
@@ -91,7 +91,7 @@ def _takes_whole(child: nn.Module, bounded: set[int]) -> bool:
 
 
 @functools.cache
-def read_outside(cls: type[nn.Module], boundaries: frozenset[str]) -> tuple[str, ...]:
+def read_outside(cls: type, boundaries: frozenset[str]) -> tuple[str, ...]:
     """The forward parameters of ``cls`` (after ``self`` and the hidden states) it reads outside
     the calls of its children ``boundaries``; () when the source cannot be read."""
     forward = inspect.unwrap(own_forward(cls))
@@ -124,7 +124,7 @@ def _cut(names: tuple[str, ...], group: Group) -> Callable[..., tuple[tuple, dic
         if not isinstance(hidden, torch.Tensor) or hidden.dim() < 3:
             return args, kwargs
         whole = hidden.shape[-2] * group.size  # the stack holds [.., S / tp, H] here
-        positional = _names(type(module))
+        positional = _names(_kind(module))
         items = list(args)
         for name in names:
             at = positional.index(name) + 1 if name in positional else len(items)  # args[0]: the hidden states
@@ -141,7 +141,12 @@ def _cut(names: tuple[str, ...], group: Group) -> Callable[..., tuple[tuple, dic
     return hook
 
 
+def _kind(module: nn.Module) -> type:
+    """``type(module)`` as the plain class the caches key on (mypy reads ``type[Module]`` as unhashable)."""
+    return module.__class__
+
+
 @functools.cache
-def _names(cls: type[nn.Module]) -> tuple[str, ...]:
+def _names(cls: type) -> tuple[str, ...]:
     params = list(inspect.signature(inspect.unwrap(own_forward(cls))).parameters)
     return tuple(params[2:])  # after self and the hidden states
