@@ -83,6 +83,14 @@ SPLIT = "_hp_split"
 rank's slice (:mod:`hp_lazy.runtime.tp.norms`)."""
 DROPOUT_CUTS = "_hp_cuts"
 """``__dict__`` key of a LoRA dropout on a feature-sharded input: the cuts that rebuild one process's mask."""
+SEQUENCE_GATHERED = "_hp_sequence_gathered"
+"""Module ``__dict__`` key: a token mixer outside the tp boundaries of a sequence-split stack that runs
+on the whole sequence (:mod:`hp_lazy.runtime.sp.mixers`)."""
+SEQUENCE_INPUTS = "_hp_sequence_inputs"
+"""Layer ``__dict__`` key: the per-layer inputs it reads outside its boundaries are cut along the
+sequence with its hidden states (:mod:`hp_lazy.runtime.sp.inputs`)."""
+SEQUENCE_CHECKED = "_hp_sequence_checked"
+"""Boundary ``__dict__`` key: its sequence-cut input is checked to arrive as hidden states."""
 LOG_HANDLER = "_hp_lazy"
 """Attribute of the log handler ``HP_LAZY_DEBUG`` adds (so it is added once)."""
 
@@ -90,5 +98,5 @@ GENERATED: frozenset[str] = frozenset({RT, INFO, BINDING, FORM, OUT, CALL})
 ATTACHED: frozenset[str] = frozenset(
     {BOUND, OWNER, LEAF_INPUTS, VOCAB_RANGE, INPUT_CHECK, CP_ENTRY, EP_DISPATCH, EP_LOAD, PATCHED,
      OPTIM_ADOPTED, LAID_OUT, LEAF, WATCH, ADAPTER_HOOKS, LAZY_HOOK, LAZY_INIT, ROUTED, NO_HUB_KERNEL, HUB_CONDITION,
-     WRAPPED, DROPOUT_CUTS, LOG_HANDLER, SPLIT}
+     WRAPPED, DROPOUT_CUTS, LOG_HANDLER, SPLIT, SEQUENCE_GATHERED, SEQUENCE_INPUTS, SEQUENCE_CHECKED}
 )

@@ -31,17 +31,13 @@ import torch
 from torch import nn
 
 from hp_lazy.errors import ShardingError
+from hp_lazy.names import SEQUENCE_CHECKED, SEQUENCE_GATHERED, SEQUENCE_INPUTS
 from hp_lazy.plan.placement import Shard
 from hp_lazy.runtime.comm import pairs
 from hp_lazy.runtime.leaves import own_forward
 from hp_lazy.runtime.mesh import Group
-from hp_lazy.runtime.sp.mixers import GATHERED, splits_sequence
+from hp_lazy.runtime.sp.mixers import splits_sequence
 from hp_lazy.runtime.style import BindContext
-
-CUT = "_hp_sequence_inputs"
-"""Attribute set on a layer whose inputs are cut (idempotent)."""
-CHECKED = "_hp_sequence_checked"
-"""Attribute set on a boundary whose sequence-cut input is checked (idempotent)."""
 
 
 def cut_layer_inputs(ctx: BindContext) -> None:
@@ -54,12 +50,13 @@ def cut_layer_inputs(ctx: BindContext) -> None:
         for layer in stack:
             whole = frozenset(n for n, c in layer.named_children() if _takes_whole(c, bounded))
             names = read_outside(_kind(layer), whole)
-            if names and not getattr(layer, CUT, False):
+            if names and not getattr(layer, SEQUENCE_INPUTS, False):
                 layer.register_forward_pre_hook(_cut(names, ctx.groups["tp"]), with_kwargs=True)
-                setattr(layer, CUT, True)
+                setattr(layer, SEQUENCE_INPUTS, True)
         for fqn, module, inner in ctx.bound:
             cut = [n for n in inner.in_src if isinstance(inner.placement("in_src", n, "tp"), Shard)]
-            if fqn.startswith(stack_fqn + ".") and cut and inner.region is None and not getattr(module, CHECKED, False):
+            inside = fqn.startswith(stack_fqn + ".") and inner.region is None
+            if inside and cut and not getattr(module, SEQUENCE_CHECKED, False):
                 _check_rows(fqn, module, cut[0], type(ctx.root).__qualname__)
 
 
@@ -80,14 +77,14 @@ def _check_rows(fqn: str, module: nn.Module, name: str, family: str) -> None:
             )
 
     module.register_forward_pre_hook(hook, with_kwargs=True)
-    setattr(module, CHECKED, True)
+    setattr(module, SEQUENCE_CHECKED, True)
 
 
 def _takes_whole(child: nn.Module, bounded: set[int]) -> bool:
     """A child that is, or holds, a boundary or a token mixer run on the whole sequence: the
     inputs the layer hands it (an encoder's states for a cross-attention, a padding mask for a
     Mamba layer) are read there, whole."""
-    return any(id(m) in bounded or getattr(m, GATHERED, False) for m in child.modules())
+    return any(id(m) in bounded or getattr(m, SEQUENCE_GATHERED, False) for m in child.modules())
 
 
 @functools.cache

@@ -29,6 +29,7 @@ from typing import Any
 from torch import nn
 
 from hp_lazy.errors import ShardingError
+from hp_lazy.names import SEQUENCE_GATHERED
 from hp_lazy.plan.model import Contract
 from hp_lazy.plan.placement import Shard
 from hp_lazy.runtime.comm import pairs
@@ -39,8 +40,6 @@ from hp_lazy.runtime.style import BindContext
 
 ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention"})
 TOKENWISE_LAYERS = frozenset({"mlp", "moe", "dense"})
-GATHERED = "_hp_sequence_gathered"
-"""Attribute set on a module whose forward runs on the whole sequence (idempotent wrapping)."""
 
 
 def splits_sequence(contract: Contract) -> bool:
@@ -112,11 +111,11 @@ def _planned_mixer(layer: nn.Module, bounded: set[int]) -> bool:
 
 
 def _run_whole(module: nn.Module, group: Group) -> None:
-    if getattr(module, GATHERED, False):
+    if getattr(module, SEQUENCE_GATHERED, False):
         return
     module.register_forward_pre_hook(_gather_in(group), with_kwargs=True)
     module.register_forward_hook(_cut_out(group))
-    setattr(module, GATHERED, True)
+    setattr(module, SEQUENCE_GATHERED, True)
 
 
 def _gather_in(group: Group) -> Callable[..., tuple[tuple, dict]]:
