@@ -288,6 +288,30 @@ def check(pool, path: str, impl: str = "grouped_mm", dtype: str = "float32", com
     return results, ref
 
 
+AUX = {"output_router_logits": True, "router_aux_loss_coef": 0.5}
+"""The config that turns the load-balancing aux loss on (and weighs it enough to move the router)."""
+
+
+def check_aux(pool, path: str, data: dict[str, Any], **train_kw: Any) -> None:
+    """The aux loss global: its value in ``out.aux_loss`` and ``out.loss`` on every rank, its
+    gradient one process's (``parity.compare`` on rank 0)."""
+    import parity
+
+    ref = reference(path, data, config=AUX)
+    results = pool.run(train, path, data, config=AUX, **train_kw)
+    for got in results:
+        assert models.rel_err(got["aux"], ref["aux"]) <= parity.TOL
+        assert models.rel_err(got["loss"], ref["loss"]) <= parity.TOL
+    parity.compare(results[0], ref)
+
+
+def local_aux(pool, path: str, data: dict[str, Any], **train_kw: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Rank 0's run with transformers' aux loss on the rank's own tokens (a negative control), and
+    one process's reference."""
+    ref = reference(path, data, config=AUX)
+    return pool.run(train, path, data, config=AUX, local_aux=True, **train_kw)[0], ref
+
+
 def _router_loads(model) -> dict[str, Any]:
     """The naive per-expert load: forward hooks on every router with an ``e_score_correction_bias``
     counting the top-k indices of this process's tokens (its last forward)."""

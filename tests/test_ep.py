@@ -116,32 +116,19 @@ def test_collectives_per_layer(ready) -> None:
                        "backward": {"all_to_all": 2 * moe_layers, "all_reduce": 1}}] * 2
 
 
-AUX = {"output_router_logits": True, "router_aux_loss_coef": 0.5}
-
-
 def test_aux_loss_is_global(ready) -> None:
     """output_router_logits=True: the load-balancing aux loss over the global batch (its value in
     out.aux_loss and out.loss on every rank, its gradient one process's)."""
     pool, root = ready
-    path = models.build("qwen3_moe", root)
-    data = epwork.batch()
-    ref = epwork.reference(path, data, config=AUX)
-    results = pool.run(epwork.train, path, data, config=AUX)
-    for got in results:
-        assert models.rel_err(got["aux"], ref["aux"]) <= parity.TOL
-        assert models.rel_err(got["loss"], ref["loss"]) <= parity.TOL
-    parity.compare(results[0], ref)
+    epwork.check_aux(pool, models.build("qwen3_moe", root), epwork.batch())
 
 
 def test_local_aux_loss_fails_parity(ready) -> None:
     """Negative control: transformers' aux loss on each rank's own router logits."""
     pool, root = ready
-    path = models.build("qwen3_moe", root)
-    data = epwork.batch()
-    ref = epwork.reference(path, data, config=AUX)
-    results = pool.run(epwork.train, path, data, config=AUX, local_aux=True)
+    got, ref = epwork.local_aux(pool, models.build("qwen3_moe", root), epwork.batch())
     with pytest.raises(AssertionError, match=r"relative errors above .*'grad model.layers.1.mlp.gate.weight'"):
-        parity.compare(results[0], ref)
+        parity.compare(got, ref)
 
 
 def test_experts_not_divisible_by_ep_refused(ready) -> None:

@@ -42,9 +42,6 @@ def test_tp4_matches_one_process(sp4) -> None:
     epwork.check(pool, models.build("qwen3_moe8", root), sequence=True)
 
 
-AUX = {"output_router_logits": True, "router_aux_loss_coef": 0.5}
-
-
 def _padded() -> dict:
     data = epwork.batch()
     mask = data["input_ids"].new_ones(data["input_ids"].shape)
@@ -58,23 +55,14 @@ def test_aux_loss_is_global(sp2, padded: bool) -> None:
     """output_router_logits=True: the aux loss over every token of the batch (padding masked out),
     its value in out.aux_loss and out.loss on every rank, its gradient one process's."""
     pool, root = sp2
-    path = models.build("qwen3_moe8", root)
     data = _padded() if padded else epwork.batch()
-    ref = epwork.reference(path, data, config=AUX)
-    results = pool.run(epwork.train, path, data, config=AUX, sequence=True)
-    for got in results:
-        assert models.rel_err(got["aux"], ref["aux"]) <= parity.TOL
-        assert models.rel_err(got["loss"], ref["loss"]) <= parity.TOL
-    parity.compare(results[0], ref)
+    epwork.check_aux(pool, models.build("qwen3_moe8", root), data, sequence=True)
 
 
 def test_local_aux_loss_fails_parity(sp2) -> None:
     """Negative control: transformers' aux loss on each rank's own piece of the sequence."""
     pool, root = sp2
-    path = models.build("qwen3_moe8", root)
-    data = epwork.batch()
-    ref = epwork.reference(path, data, config=AUX)
-    got = pool.run(epwork.train, path, data, config=AUX, sequence=True, local_aux=True)[0]
+    got, ref = epwork.local_aux(pool, models.build("qwen3_moe8", root), epwork.batch(), sequence=True)
     assert models.rel_err(got["aux"], ref["aux"]) > 1e-4  # measured 7.3e-4: rank 0 routes its half of the tokens
     with pytest.raises(AssertionError, match=r"relative errors above .*'grad model.layers.1.mlp.gate.weight'"):
         parity.compare(got, ref)
