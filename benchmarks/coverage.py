@@ -512,9 +512,16 @@ def child_rank(family: str, workdir: str) -> None:
 
         with open(os.path.join(workdir, "meta.json"), encoding="utf-8") as f:
             meta = json.load(f)
+        import warnings
+
+        from hp_lazy.runtime.bind import UnsplitLayersWarning
+
         torch.manual_seed(0)
-        model = getattr(transformers, meta["auto"]).from_pretrained(workdir, dtype=_dtype(), **_load_options())
-        hp_lazy.parallelize(model)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", UnsplitLayersWarning)
+            model = getattr(transformers, meta["auto"]).from_pretrained(workdir, dtype=_dtype(), **_load_options())
+            hp_lazy.parallelize(model)
+        unsplit = next((str(w.message) for w in caught if issubclass(w.category, UnsplitLayersWarning)), None)
         table = record.of(model).table
         sharded = sum(1 for name, _ in model.named_parameters() if table is not None and name in table)
         total = sum(1 for _ in model.parameters())
@@ -529,7 +536,8 @@ def child_rank(family: str, workdir: str) -> None:
     except BaseException as exc:  # noqa: BLE001
         _write_error(os.path.join(workdir, f"err{rank}.json"), exc)
         raise
-    torch.save({"out": out, "loss": loss, "grads": grads, "sharded": sharded, "total": total, "local": local},
+    torch.save({"out": out, "loss": loss, "grads": grads, "sharded": sharded, "total": total, "local": local,
+                "unsplit": unsplit},
                os.path.join(workdir, f"got{rank}.pt"))
 
 
@@ -679,6 +687,8 @@ def _compare(family: str, workdir: str) -> Row:
         worst = max(worst, (err, f"rank {r} {name}"))
         if r == 0:
             share = f"{got['sharded']}/{got['total']} params sharded"
+            if got.get("unsplit"):  # UnsplitLayersWarning: the config's plan leaves every layer whole
+                share += f" (layers whole: {got['unsplit'].split('is split: ', 1)[-1].split(', so ')[0]})"
     if share.startswith("0/") and _cp() == 1:  # tp, or ep: some expert parameter must be cut
         return Row(family, "fail", f"parity holds but nothing was sharded ({share})")
     if floored:  # a float32 recurrent kernel: within twice one process's distance from itself

@@ -55,6 +55,8 @@ MORE_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "phi3": ("Phi3Config", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
     # GLM-4: gate_up_proj's output halved by chunk(2) (transformers gathers it; hp_lazy packs it)
     "glm4": ("Glm4Config", {"head_dim": 8, "pad_token_id": 0, "eos_token_id": 2}),
+    # transformers 5.25's config plans only the embedding: the layers stay whole under tp (warned)
+    "diffllama": ("DiffLlamaConfig", {}),
     # dynamic RoPE rescales by the largest position seen: 16-token batches pass the 8 it was built for
     "llama_dynamic": ("LlamaConfig", {"max_position_embeddings": 8,
                                       "rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}}),

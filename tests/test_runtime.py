@@ -226,3 +226,29 @@ def test_unbound_answers_introspection_with_attribute_error() -> None:
     with pytest.raises(ShardingError, match="^LlamaAttention: this forward was lowered by hp_lazy but runs on an "
                                              "instance that was never bound"):
         _ = value.tp
+
+
+def _unsplit_warnings(rank: int, world: int, path: str) -> list[str]:
+    import warnings
+
+    import hp_lazy
+    from hp_lazy.runtime.bind import UnsplitLayersWarning
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hp_lazy.parallelize(models.load(path))
+    return [str(w.message) for w in caught if issubclass(w.category, UnsplitLayersWarning)]
+
+
+def test_layers_a_config_leaves_whole_under_tp_are_warned(pool: DistPool, root: str) -> None:
+    """DiffLlama's 5.25 config plans only embed_tokens: its layers run whole on every rank, said
+    by name with the fix; Llama's, split, say nothing (the control)."""
+    assert pool.run(_unsplit_warnings, models.build("llama", root)) == [[], []]
+    for text in pool.run(_unsplit_warnings, models.build("diffllama", root)):
+        assert text == [
+            "DiffLlamaForCausalLM: under tp=2 no module of its 2 attention layers (model.layers.0 ... model.layers.1) "
+            "is split: DiffLlamaConfig.base_model_tp_plan plans only ['embed_tokens'], so every rank holds and runs "
+            "those layers whole (one process's memory and compute for them); pass a plan that names their "
+            "projections (README: Plans; `python -m hp_lazy layout` shows what each rank holds), or train this "
+            "family without tp"
+        ]

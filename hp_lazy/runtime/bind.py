@@ -13,6 +13,7 @@ state-dict face, refreshing after a change) is :mod:`hp_lazy.runtime.owner`'s.
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -42,7 +43,12 @@ from hp_lazy.runtime.style import (
 )
 from hp_lazy.runtime.tp.style import TensorParallelStyle
 
-__all__ = ["STYLES", "bind_layout", "match_rules", "outermost_roots", "tied_to_a_shard"]
+__all__ = ["STYLES", "UnsplitLayersWarning", "bind_layout", "match_rules", "outermost_roots", "tied_to_a_shard"]
+
+class UnsplitLayersWarning(UserWarning):
+    """Under tp > 1, no layer of the text stack holds a boundary: every rank runs the layers whole
+    (transformers 5.25's Qwen3-VL, LFM2, DiffLlama, ... configs plan only their embedding)."""
+
 
 STYLES: dict[str, type] = {"tp": TensorParallelStyle, "cp": ContextParallelStyle, "ep": ExpertParallelStyle}
 """Mesh axis -> its parallelism's style (a new parallelism adds its room and one entry here)."""
@@ -177,6 +183,7 @@ def _bind_root(
         style.finish(ctx)
     _alias_tied(ctx)
     _check_shards_covered(ctx)
+    _warn_unsplit_layers(ctx)
     return ctx, used
 
 
@@ -409,6 +416,33 @@ def _check_shards_covered(ctx: BindContext) -> None:
             layout = ctx.by_param.get(id(param))
             if layout is not None:
                 raise tied_to_a_shard(f"{name}.{pname}" if name else pname, layout, name or type(ctx.root).__name__)
+
+
+def _warn_unsplit_layers(ctx: BindContext) -> None:
+    """Under tp > 1, text attention layers none of which holds a boundary: every rank holds and
+    computes them whole, which tp is meant to split. Not an error (the plan is what the config
+    declares, and the numbers are one process's) but never silent: warned, with the fix."""
+    tp = ctx.groups.get("tp")
+    config = getattr(ctx.root, "config", None)
+    if tp is None or tp.size == 1 or config is None:
+        return
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layers = sorted({name.rpartition(".")[0] for name, m in ctx.root.named_modules()
+                     if getattr(m, "config", None) is text and leaves.calls_attention(m)})
+    bound = [fqn for fqn, _, _ in ctx.bound]
+    if not layers or any(b == layer or b.startswith(layer + ".") for layer in layers for b in bound):
+        return
+    declared = sorted(getattr(text, "base_model_tp_plan", None) or {})
+    family = type(ctx.root).__qualname__
+    warnings.warn(
+        f"{family}: under tp={tp.size} no module of its {len(layers)} attention layers ({layers[0]} ... "
+        f"{layers[-1]}) is split: {type(text).__name__}.base_model_tp_plan plans only {declared}, so every rank "
+        "holds and runs those layers whole (one process's memory and compute for them); pass a plan that names "
+        "their projections (README: Plans; `python -m hp_lazy layout` shows what each rank holds), or train this "
+        "family without tp",
+        UnsplitLayersWarning,
+        stacklevel=2,
+    )
 
 
 def tied_to_a_shard(where: str, layout: ParamLayout, module: str) -> ShardingError:
