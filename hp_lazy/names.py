@@ -91,6 +91,9 @@ SEQUENCE_INPUTS = "_hp_sequence_inputs"
 sequence with its hidden states (:mod:`hp_lazy.runtime.sp.inputs`)."""
 SEQUENCE_CHECKED = "_hp_sequence_checked"
 """Boundary ``__dict__`` key: its sequence-cut input is checked to arrive as hidden states."""
+SEQUENCE_DIM = "_hp_sequence_dim"
+"""Layer-stack ``__dict__`` key: the sequence dim of hidden states that stack several streams per
+token, read at the stack's entry from the whole sequence (:mod:`hp_lazy.runtime.sp.stack`)."""
 LOG_HANDLER = "_hp_lazy"
 """Attribute of the log handler ``HP_LAZY_DEBUG`` adds (so it is added once)."""
 
@@ -98,5 +101,6 @@ GENERATED: frozenset[str] = frozenset({RT, INFO, BINDING, FORM, OUT, CALL})
 ATTACHED: frozenset[str] = frozenset(
     {BOUND, OWNER, LEAF_INPUTS, VOCAB_RANGE, INPUT_CHECK, CP_ENTRY, EP_DISPATCH, EP_LOAD, PATCHED,
      OPTIM_ADOPTED, LAID_OUT, LEAF, WATCH, ADAPTER_HOOKS, LAZY_HOOK, LAZY_INIT, ROUTED, NO_HUB_KERNEL, HUB_CONDITION,
-     WRAPPED, DROPOUT_CUTS, LOG_HANDLER, SPLIT, SEQUENCE_GATHERED, SEQUENCE_INPUTS, SEQUENCE_CHECKED}
+     WRAPPED, DROPOUT_CUTS, LOG_HANDLER, SPLIT, SEQUENCE_GATHERED, SEQUENCE_INPUTS, SEQUENCE_CHECKED,
+     SEQUENCE_DIM}
 )

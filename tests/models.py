@@ -285,15 +285,15 @@ def reference(path: str, ids) -> dict[str, Any]:
     return run_training(load(path), ids)
 
 
-def load(path: str, dtype: str = "float32"):
+def load(path: str, dtype: str = "float32", **options):
     """The model saved at ``path`` as a causal LM (a masked LM for :data:`MASKED` families, T5Gemma a
-    sequence-to-sequence LM)."""
+    sequence-to-sequence LM); ``options`` go to ``from_pretrained``."""
     import torch
     import transformers
 
     name = os.path.basename(path)
     auto = AUTO[name] if name in MASKED + ("t5gemma",) else "AutoModelForCausalLM"
-    return getattr(transformers, auto).from_pretrained(path, dtype=getattr(torch, dtype))
+    return getattr(transformers, auto).from_pretrained(path, dtype=getattr(torch, dtype), **options)
 
 
 def rel_err(a, b) -> float:

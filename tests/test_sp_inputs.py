@@ -2,9 +2,12 @@
 own cut of stacked hidden states, :mod:`hp_lazy.runtime.sp.stack`): Gemma 3n hands each layer
 its slice of the per-layer embeddings (``[B, S, P]``), which the layer multiplies into its
 hidden states outside any boundary, and carries its hidden states as AltUp's stacked predictions
-(``[A, B, S, H]``, the sequence at dim 2). One process's loss, logits, every gradient and 3
-SGD+wd steps at tp=2 and 4; which inputs are read outside the boundaries, from the source; a
-boundary handed selected rows instead of the layer's hidden states is refused."""
+(``[A, B, S, H]``, the sequence at dim 2). DeepSeek-V4 carries ``[B, S, N, H]`` (hyper-connection
+streams after the sequence, dim 1) and routes its hash-MoE layers by ``input_ids`` inside an MoE
+block that only holds a boundary (the shared experts). One process's loss, logits, every gradient
+and 3 SGD+wd steps at tp=2 and 4; which inputs are read outside the boundaries, from the source;
+stacked hidden states whose sequence dim the layer's inputs do not tell, and a boundary handed
+selected rows instead of the layer's hidden states, are refused."""
 
 from __future__ import annotations
 
@@ -16,10 +19,11 @@ from dist import DistPool, pool_fixture
 from torch import nn
 
 from hp_lazy.errors import ShardingError
-from hp_lazy.runtime.sp import inputs
+from hp_lazy.runtime.sp import inputs, stack
 
 pool2 = pool_fixture(2, timeout=120)
 pool4 = pool_fixture(4, timeout=180)
+EAGER = {"experts_implementation": "eager"}  # torch's grouped_mm takes no float64
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -30,6 +34,79 @@ def test_gemma3n_matches_one_process(world: int, refs, pool2: DistPool, pool4: D
     assert len(parity.compare(results[0], ref)) > 10
 
 
+@pytest.fixture(scope="module")
+def hashed(tmp_path_factory) -> tuple[str, dict, dict]:
+    """DeepSeek-V4 with its hash router's token -> experts table drawn at random (the default is
+    all zeros: every token to the same experts, which would hide a wrong cut of ``input_ids``), in
+    float64: in float32 one process's router gradient is 0.93 from itself in float64."""
+    path = models.build("deepseek_v4", str(tmp_path_factory.mktemp("models")))
+    model = models.load(path)
+    tables = [m for m in model.modules() if hasattr(m, "tid2eid")]
+    assert tables, "no hash-routed layer in the tiny config"
+    generator = torch.Generator().manual_seed(0)
+    for m in tables:
+        vocab, k = m.tid2eid.shape
+        m.tid2eid.copy_(torch.rand(vocab, m.num_experts, generator=generator).argsort(-1)[:, :k])
+    model.save_pretrained(path)
+    ref = models.run_training(models.load(path, "float64", **EAGER), models.batch())
+    # its hyper-connections, norms and sinks stay float32 whatever the dtype: the floor of those
+    # entries is one process's distance from itself with the batch's rows summed in another order
+    swapped = models.run_training(models.load(path, "float64", **EAGER), models.batch().flip(0))
+    swapped["logits"] = swapped["logits"].flip(0)
+    return path, ref, parity.relative_errors(swapped, ref)
+
+
+def _train64(rank: int, world: int, path: str, ids) -> dict:
+    import hp_lazy
+
+    model = hp_lazy.parallelize(models.load(path, "float64", **EAGER))
+    stacked = [n for n, m in model.named_modules() if n.endswith("attn_hc")]
+    result = models.run_training(model, ids, full_grads=hp_lazy.full_grads, full_state_dict=hp_lazy.full_state_dict)
+    return {**result, "stacked": len(stacked)}
+
+
+def _train64_holders_whole(rank: int, world: int, path: str, ids) -> dict:
+    """Negative control: a child that only holds a boundary taken as reading its inputs whole."""
+    original = inputs._reads
+    inputs._reads = lambda module, bounded: inputs.read_outside(
+        inputs.kind_of(module), frozenset(n for n, c in module.named_children()
+                                          if any(inputs._takes_whole(m, bounded) for m in c.modules())))
+    try:
+        return _train64(rank, world, path, ids)
+    finally:
+        inputs._reads = original
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_deepseek_v4_matches_one_process(world: int, hashed, pool2: DistPool, pool4: DistPool) -> None:
+    pool = parity.activated(pool2 if world == 2 else pool4, sequence_parallel=True)
+    path, ref, floor = hashed
+    result = pool.run(_train64, path, models.batch())[0]
+    assert result["stacked"] == 2  # [B, S, N, H] hidden states in both layers
+    assert len(parity.compare(result, ref, floor)) > 10
+
+
+def test_deepseek_v4_holders_read_whole_fail(hashed, pool2: DistPool) -> None:
+    path = hashed[0]
+    with pytest.raises(Exception, match="expected index"):  # the whole input_ids gathered against S / tp rows
+        parity.activated(pool2, sequence_parallel=True).run(_train64_holders_whole, path, models.batch())
+
+
+def test_stacked_sequence_dim_from_position_ids() -> None:
+    assert stack.sequence_dim("m.layers", torch.zeros(2, 16, 4, 8), 16) == 1  # [B, S, N, H]
+    assert stack.sequence_dim("m.layers", torch.zeros(4, 2, 16, 8), 16) == 2  # [A, B, S, H]
+    assert stack.sequence_dim("m.layers", torch.zeros(2, 8, 4, 8), 16, parts=2) == 1  # this rank's half
+    with pytest.raises(ShardingError) as info:
+        stack.sequence_dim("model.layers", torch.zeros(4, 16, 16, 8), 16)
+    assert str(info.value) == (
+        "model.layers: under sequence parallel the layers' hidden states stack several streams per token, shape "
+        "[4, 16, 16, 8] (1 part(s) of the sequence), and their sequence dim is cut: dim 1 ([B, S, N, H]) or dim 2 "
+        "([A, B, S, H]); its position_ids' 16 tokens match both; pass the layers position_ids of the batch's length, "
+        "with a batch size and stream count other than that length, or train this family without sequence_parallel")
+    with pytest.raises(ShardingError, match="the layer is given no position_ids to tell which"):
+        stack.sequence_dim("model.layers", torch.zeros(2, 16, 4, 8), None)
+
+
 def test_inputs_read_outside_the_boundaries() -> None:
     from transformers.models.gemma3n.modeling_gemma3n import Gemma3nTextDecoderLayer
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
@@ -38,6 +115,14 @@ def test_inputs_read_outside_the_boundaries() -> None:
     assert inputs.read_outside(LlamaDecoderLayer, frozenset({"self_attn", "mlp"})) == ()
     # with no boundary named, the attention's own inputs are read outside one too (control)
     assert "attention_mask" in inputs.read_outside(LlamaDecoderLayer, frozenset())
+    # DeepSeek-V4's MoE block holds a boundary and reads input_ids itself (its hash router)
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4DecoderLayer, DeepseekV4SparseMoeBlock
+
+    assert inputs.read_outside(DeepseekV4SparseMoeBlock, frozenset({"shared_experts"})) == ("input_ids",)
+    held = frozenset({("mlp", ("input_ids",), ("input_ids",))})
+    assert inputs.read_outside(DeepseekV4DecoderLayer, frozenset({"self_attn"}), held) == ("input_ids",)
+    assert inputs.read_outside(DeepseekV4DecoderLayer, frozenset({"self_attn"}),
+                               frozenset({("mlp", (), ("input_ids",))})) == ()
 
 
 class _Rows(nn.Module):

@@ -37,6 +37,7 @@ from hp_lazy.runtime.comm import pairs
 from hp_lazy.runtime.leaves import own_forward
 from hp_lazy.runtime.mesh import Group
 from hp_lazy.runtime.sp.mixers import splits_sequence
+from hp_lazy.runtime.sp.stack import kind_of, positional, stacked_dim
 from hp_lazy.runtime.style import BindContext
 
 
@@ -47,11 +48,11 @@ def cut_layer_inputs(ctx: BindContext) -> None:
         if not isinstance(stack, nn.ModuleList) or not splits_sequence(contract):
             continue
         bounded = {id(b) for _, b, _ in ctx.bound if b is not stack}
-        for layer in stack:
-            whole = frozenset(n for n, c in layer.named_children() if _takes_whole(c, bounded))
-            names = read_outside(_kind(layer), whole)
+        for index, layer in enumerate(stack):
+            names = _reads(layer, bounded)
             if names and not getattr(layer, SEQUENCE_INPUTS, False):
-                layer.register_forward_pre_hook(_cut(names, ctx.groups["tp"]), with_kwargs=True)
+                layer.register_forward_pre_hook(_cut(stack, f"{stack_fqn}.{index}", names, ctx.groups["tp"]),
+                                                with_kwargs=True)
                 setattr(layer, SEQUENCE_INPUTS, True)
         for fqn, module, inner in ctx.bound:
             cut = [n for n in inner.in_src if isinstance(inner.placement("in_src", n, "tp"), Shard)]
@@ -80,17 +81,34 @@ def _check_rows(fqn: str, module: nn.Module, name: str, family: str) -> None:
     setattr(module, SEQUENCE_CHECKED, True)
 
 
-def _takes_whole(child: nn.Module, bounded: set[int]) -> bool:
-    """A child that is, or holds, a boundary or a token mixer run on the whole sequence: the
-    inputs the layer hands it (an encoder's states for a cross-attention, a padding mask for a
-    Mamba layer) are read there, whole."""
-    return any(id(m) in bounded or getattr(m, SEQUENCE_GATHERED, False) for m in child.modules())
+def _takes_whole(module: nn.Module, bounded: set[int]) -> bool:
+    """A boundary, or a token mixer run on the whole sequence: the inputs the layer hands it (an
+    encoder's states for a cross-attention, a padding mask for a Mamba layer) are read there, whole."""
+    return id(module) in bounded or getattr(module, SEQUENCE_GATHERED, False)
+
+
+def _reads(module: nn.Module, bounded: set[int]) -> tuple[str, ...]:
+    """The forward parameters of ``module`` its own code reads on this rank's tokens: outside the
+    calls of children that take their inputs whole and, where a child only holds such a module
+    (DeepSeek-V4's MoE block holds the shared-experts boundary but routes by ``input_ids`` itself),
+    wherever that child reads them."""
+    whole: set[str] = set()
+    holders: set[tuple[str, tuple[str, ...], tuple[str, ...]]] = set()
+    for name, child in module.named_children():
+        if _takes_whole(child, bounded):
+            whole.add(name)
+        elif any(_takes_whole(m, bounded) for m in child.modules()):
+            holders.add((name, _reads(child, bounded), positional(kind_of(child))))
+    return read_outside(kind_of(module), frozenset(whole), frozenset(holders))
 
 
 @functools.cache
-def read_outside(cls: type, boundaries: frozenset[str]) -> tuple[str, ...]:
+def read_outside(cls: type, boundaries: frozenset[str],
+                 holders: frozenset[tuple[str, tuple[str, ...], tuple[str, ...]]] = frozenset()) -> tuple[str, ...]:
     """The forward parameters of ``cls`` (after ``self`` and the hidden states) it reads outside
-    the calls of its children ``boundaries``; () when the source cannot be read."""
+    the calls of its children ``boundaries``; a child in ``holders`` (``(name, what it reads
+    itself, its parameters in order)``) reads there only the arguments it reads itself. ()
+    when the source cannot be read."""
     forward = inspect.unwrap(own_forward(cls))
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
@@ -100,10 +118,21 @@ def read_outside(cls: type, boundaries: frozenset[str]) -> tuple[str, ...]:
     if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
         return ()
     params = [a.arg for a in fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs][2:]
+    held = {name: (reads, names) for name, reads, names in holders}
     inside: set[int] = set()
     for node in ast.walk(fn):
-        if isinstance(node, ast.Call) and _self_child(node.func) in boundaries:
-            inside.update(id(n) for arg in [*node.args, *(k.value for k in node.keywords)] for n in ast.walk(arg))
+        child = _self_child(node.func) if isinstance(node, ast.Call) else None
+        if not isinstance(node, ast.Call) or child is None:
+            continue
+        if child in boundaries:
+            handed = [*node.args, *(k.value for k in node.keywords)]
+        elif child in held:  # args[0] is the child's hidden states, read on this rank's tokens
+            reads, names = held[child]
+            handed = [a for i, a in enumerate(node.args[1:]) if i < len(names) and names[i] not in reads]
+            handed += [k.value for k in node.keywords if k.arg is not None and k.arg not in reads]
+        else:
+            continue
+        inside.update(id(n) for arg in handed for n in ast.walk(arg))
     read = {n.id for n in ast.walk(fn) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)
             and n.id in params and id(n) not in inside}
     return tuple(p for p in params if p in read)
@@ -115,16 +144,18 @@ def _self_child(node: ast.expr) -> str | None:
     return None
 
 
-def _cut(names: tuple[str, ...], group: Group) -> Callable[..., tuple[tuple, dict]]:
+def _cut(stack: nn.Module, fqn: str, names: tuple[str, ...], group: Group) -> Callable[..., tuple[tuple, dict]]:
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         hidden = args[0] if args else kwargs.get("hidden_states")
         if not isinstance(hidden, torch.Tensor) or hidden.dim() < 3:
             return args, kwargs
-        whole = hidden.shape[-2] * group.size  # the stack holds [.., S / tp, H] here
-        positional = _names(_kind(module))
+        # the stack holds S / tp tokens of the hidden states here
+        dim = 1 if hidden.dim() == 3 else stacked_dim(stack, fqn, hidden, module, args, kwargs, group.size)
+        whole = hidden.shape[dim] * group.size
+        names_in_order = positional(kind_of(module))
         items = list(args)
         for name in names:
-            at = positional.index(name) + 1 if name in positional else len(items)  # args[0]: the hidden states
+            at = names_in_order.index(name) + 1 if name in names_in_order else len(items)  # args[0]: the hidden states
             where = at if at < len(items) else None
             value = items[where] if where is not None else kwargs.get(name)
             if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == whole:
@@ -136,14 +167,3 @@ def _cut(names: tuple[str, ...], group: Group) -> Callable[..., tuple[tuple, dic
         return tuple(items), kwargs
 
     return hook
-
-
-def _kind(module: nn.Module) -> type:
-    """``type(module)`` as the plain class the caches key on (mypy reads ``type[Module]`` as unhashable)."""
-    return module.__class__
-
-
-@functools.cache
-def _names(cls: type) -> tuple[str, ...]:
-    params = list(inspect.signature(inspect.unwrap(own_forward(cls))).parameters)
-    return tuple(params[2:])  # after self and the hidden states
