@@ -91,6 +91,9 @@ SEQUENCE_INPUTS = "_hp_sequence_inputs"
 sequence with its hidden states (:mod:`hp_lazy.runtime.sp.inputs`)."""
 SEQUENCE_CHECKED = "_hp_sequence_checked"
 """Boundary ``__dict__`` key: its sequence-cut input is checked to arrive as hidden states."""
+SEQUENCE_TOKENS = "_hp_sequence_tokens"
+"""Layer-stack ``__dict__`` key: the tokens (batch x sequence piece) this rank's hidden states hold
+in the current forward, against which a boundary handed flattened rows checks their count."""
 SEQUENCE_DIM = "_hp_sequence_dim"
 """Layer-stack ``__dict__`` key: the sequence dim of hidden states that stack several streams per
 token, read at the stack's entry from the whole sequence (:mod:`hp_lazy.runtime.sp.stack`)."""
@@ -102,5 +105,5 @@ ATTACHED: frozenset[str] = frozenset(
     {BOUND, OWNER, LEAF_INPUTS, VOCAB_RANGE, INPUT_CHECK, CP_ENTRY, EP_DISPATCH, EP_LOAD, PATCHED,
      OPTIM_ADOPTED, LAID_OUT, LEAF, WATCH, ADAPTER_HOOKS, LAZY_HOOK, LAZY_INIT, ROUTED, NO_HUB_KERNEL, HUB_CONDITION,
      WRAPPED, DROPOUT_CUTS, LOG_HANDLER, SPLIT, SEQUENCE_GATHERED, SEQUENCE_INPUTS, SEQUENCE_CHECKED,
-     SEQUENCE_DIM}
+     SEQUENCE_DIM, SEQUENCE_TOKENS}
 )

@@ -57,6 +57,10 @@ MORE_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "glm4": ("Glm4Config", {"head_dim": 8, "pad_token_id": 0, "eos_token_id": 2}),
     # transformers 5.25's config plans only the embedding: the layers stay whole under tp (warned)
     "diffllama": ("DiffLlamaConfig", {}),
+    # an MoE block that hands its shared experts the hidden states flattened to rows, [B * S, H]
+    "ernie4_5_moe": ("Ernie4_5_MoeConfig", {"moe_num_experts": 4, "moe_k": 2, "moe_intermediate_size": 32,
+                                            "moe_num_shared_experts": 1, "moe_layer_start_index": 1,
+                                            "moe_layer_end_index": 1}),
     # dynamic RoPE rescales by the largest position seen: 16-token batches pass the 8 it was built for
     "llama_dynamic": ("LlamaConfig", {"max_position_embeddings": 8,
                                       "rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}}),

@@ -6,11 +6,13 @@ hidden states outside any boundary, and carries its hidden states as AltUp's sta
 streams after the sequence, dim 1) and routes its hash-MoE layers by ``input_ids`` inside an MoE
 block that only holds a boundary (the shared experts). One process's loss, logits, every gradient
 and 3 SGD+wd steps at tp=2 and 4; which inputs are read outside the boundaries, from the source;
-stacked hidden states whose sequence dim the layer's inputs do not tell, and a boundary handed
-selected rows instead of the layer's hidden states, are refused."""
+a token-wise boundary handed the hidden states flattened to rows (Ernie-4.5-MoE's shared experts)
+runs on them as one sequence; stacked hidden states whose sequence dim the layer's inputs do not
+tell, and a boundary handed selected rows, are refused."""
 
 from __future__ import annotations
 
+import epwork
 import models
 import parity
 import pytest
@@ -19,6 +21,8 @@ from dist import DistPool, pool_fixture
 from torch import nn
 
 from hp_lazy.errors import ShardingError
+from hp_lazy.names import SEQUENCE_TOKENS
+from hp_lazy.runtime.mesh import Group
 from hp_lazy.runtime.sp import inputs, stack
 
 pool2 = pool_fixture(2, timeout=120)
@@ -125,22 +129,77 @@ def test_inputs_read_outside_the_boundaries() -> None:
                                frozenset({("mlp", (), ("input_ids",))})) == ()
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_flattened_rows_to_a_tokenwise_boundary(world: int, tmp_path, pool2: DistPool, pool4: DistPool) -> None:
+    """Ernie-4.5-MoE hands its shared experts ``h.view(-1, H)``: run as one sequence of this rank's
+    rows (its experts, split over tp, gather the rows with their top-k)."""
+    pool = parity.activated(pool2 if world == 2 else pool4, sequence_parallel=True)
+    epwork.check(pool, models.build("ernie4_5_moe", str(tmp_path)), "eager", sequence=True)
+
+
 class _Rows(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[list[int]] = []
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x
+        self.seen.append(list(x.shape))
+        return x * 2
+
+
+class _Mixer(_Rows):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ALL_ATTENTION_FUNCTIONS(x)  # noqa: F821  (read by name: what marks a token mixer)
+
+
+SOLO = Group.solo("tp")
+
+
+def _stack(tokens: int) -> nn.Module:
+    stack = nn.ModuleList()
+    setattr(stack, SEQUENCE_TOKENS, tokens)
+    return stack
 
 
 def test_a_boundary_given_selected_rows_is_refused() -> None:
-    """HiggsAudio-v2 calls its MLP on ``h[~audio_mask]`` (rows ``[N, H]``): no gather along the
-    sequence rebuilds that. A call with ``[B, S / tp, H]`` passes."""
+    """HiggsAudio-v2 calls its MLP on ``h[~audio_mask]`` (rows ``[N, H]``, fewer than this rank's
+    tokens): no gather along the sequence rebuilds that. Its flattened hidden states (``[B * S / tp,
+    H]``, as many rows as tokens) run as one sequence; ``[B, S / tp, H]`` passes as it is."""
     refused = _Rows()
-    inputs._check_rows("model.layers.0.mlp", refused, "x", "HiggsAudioV2ForConditionalGeneration")
+    inputs._check_rows("model.layers.0.mlp", refused, "x", "HiggsAudioV2ForConditionalGeneration", _stack(16), SOLO)
     with pytest.raises(ShardingError) as info:
-        refused(torch.zeros(16, 32))
-    assert str(info.value).startswith(
+        refused(torch.zeros(12, 32))
+    assert str(info.value) == (
         "model.layers.0.mlp (HiggsAudioV2ForConditionalGeneration): under sequence parallel this boundary's input "
-        "'x' must arrive as the layer's hidden states, [batch, seq / tp, ...], which it gathers along the sequence; "
-        "it got shape [16, 32]: the layer's code flattens or selects tokens before calling it")
-    passed = _Rows()
-    inputs._check_rows("model.layers.0.mlp", passed, "x", "LlamaForCausalLM")
-    passed(torch.zeros(2, 8, 32))
+        "'x' must arrive as the layer's hidden states, [batch, seq / tp, ...], which it gathers along the sequence, "
+        "or, for a token-wise boundary, as those flattened to [16, hidden]; it got shape [12, 32]: the layer's code "
+        "selects tokens before calling it, and no gather along the sequence rebuilds that; train this family without "
+        "sequence_parallel")
+    flat = _Rows()
+    inputs._check_rows("model.layers.0.mlp.shared_experts", flat, "x", "Ernie4_5_MoeForCausalLM", _stack(16), SOLO)
+    assert flat(torch.ones(16, 32)).shape == (16, 32) and flat.seen == [[1, 16, 32]]  # one sequence inside
+    assert flat(torch.ones(2, 8, 32)).shape == (2, 8, 32) and flat.seen[-1] == [2, 8, 32]
+    mixer = _Mixer()
+    inputs._check_rows("model.layers.0.self_attn", mixer, "x", "LlamaForCausalLM", _stack(16), SOLO)
+    with pytest.raises(ShardingError, match=r"along the sequence \(it mixes tokens\), or, for a token-wise"):
+        mixer(torch.zeros(16, 32))
+
+
+def _diverging_rows(rank: int, world: int) -> str:
+    import torch.distributed as dist
+
+    module = _Rows()
+    group = Group(axis="tp", pg=dist.group.WORLD, size=world, rank=rank)
+    inputs._check_rows("model.layers.0.mlp", module, "x", "HiggsAudioV2ForConditionalGeneration", _stack(16), group)
+    try:
+        module(torch.zeros(16 if rank == 0 else 12, 32))  # rank 0: every token text; rank 1: 4 audio tokens
+    except ShardingError as refused:
+        return str(refused)
+    return "ran"
+
+
+def test_rows_selected_on_one_rank_only_are_refused_on_every_rank(pool2: DistPool) -> None:
+    """Rank 0's rows look flattened (all its tokens), rank 1's selected: both refuse at once (one
+    rank left in the gather would wait out the process-group timeout)."""
+    texts = pool2.run(_diverging_rows)
+    assert len(set(texts)) == 1 and "it got [16, 12] rows on the tp ranks" in texts[0], texts

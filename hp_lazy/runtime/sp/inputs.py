@@ -8,15 +8,17 @@ per-layer embeddings). Those must be cut like the hidden states, or the layer mu
 rank's piece of the sequence by the whole sequence.
 
 Which inputs the layer reads outside its boundaries is read from its class's forward: a parameter
-loaded anywhere but inside the call of a child module that is or holds a boundary or a token mixer
-run on the whole sequence (``self.self_attn(..., attention_mask=attention_mask)``,
-``self.cross_attn(..., encoder_hidden_states=encoder_hidden_states)``). A forward pre-hook on
+loaded anywhere but inside the call of a child module that is a boundary or a token mixer run on
+the whole sequence (``self.self_attn(..., attention_mask=attention_mask)``,
+``self.cross_attn(..., encoder_hidden_states=encoder_hidden_states)``), or of one that holds such
+a module and does not read it itself (:func:`_reads`). A forward pre-hook on
 each layer cuts those that arrive as a tensor whose dim 1 is the whole sequence (``scatter_to``:
 this rank's piece; backward all-gathers the pieces' gradients, the whole gradient on every rank,
 as the stack's entry does).
 
 A boundary there must receive the layer's hidden states, ``[batch, seq / tp, ...]``: a pre-hook
-checks it (:func:`_check_rows`), and refuses rows the layer selected from them.
+checks it (:func:`_check_rows`); a token-wise boundary also takes them flattened to rows, and rows
+the layer selected from them are refused.
 """
 
 from __future__ import annotations
@@ -26,17 +28,18 @@ import functools
 import inspect
 import textwrap
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 
 from hp_lazy.errors import ShardingError
-from hp_lazy.names import SEQUENCE_CHECKED, SEQUENCE_GATHERED, SEQUENCE_INPUTS
+from hp_lazy.names import SEQUENCE_CHECKED, SEQUENCE_GATHERED, SEQUENCE_INPUTS, SEQUENCE_TOKENS
 from hp_lazy.plan.placement import Shard
-from hp_lazy.runtime.comm import pairs
+from hp_lazy.runtime.comm import pairs, wire
 from hp_lazy.runtime.leaves import own_forward
 from hp_lazy.runtime.mesh import Group
-from hp_lazy.runtime.sp.mixers import splits_sequence
+from hp_lazy.runtime.sp.mixers import mixes_tokens, splits_sequence
 from hp_lazy.runtime.sp.stack import kind_of, positional, stacked_dim
 from hp_lazy.runtime.style import BindContext
 
@@ -58,27 +61,64 @@ def cut_layer_inputs(ctx: BindContext) -> None:
             cut = [n for n in inner.in_src if isinstance(inner.placement("in_src", n, "tp"), Shard)]
             inside = fqn.startswith(stack_fqn + ".") and inner.region is None
             if inside and cut and not getattr(module, SEQUENCE_CHECKED, False):
-                _check_rows(fqn, module, cut[0], type(ctx.root).__qualname__)
+                _check_rows(fqn, module, cut[0], type(ctx.root).__qualname__, stack, ctx.groups["tp"])
 
 
-def _check_rows(fqn: str, module: nn.Module, name: str, family: str) -> None:
-    """A boundary inside a sequence-split stack must receive ``name`` as ``[.., S / tp, H]``: code
-    that flattens or indexes the tokens before calling it (HiggsAudio-v2's ``self.mlp(h[~audio_mask])``,
-    rows of ``[N, H]``) hands it something no gather along the sequence rebuilds. Refused by name.
-    A rank check on every call (a guard under ``torch.compile``, no graph break)."""
+def _check_rows(fqn: str, module: nn.Module, name: str, family: str, stack: nn.Module, group: Group) -> None:
+    """A boundary inside a sequence-split stack must receive ``name`` as ``[.., S / tp, H]``. A
+    token-wise one (no attention or recurrence inside: an MLP, a shared expert) handed this rank's
+    hidden states flattened to rows, ``[B * S / tp, H]`` (Ernie-4.5-MoE's, Flint's and HY-V3's
+    ``self.shared_experts(h.view(-1, H))``), runs on them as one sequence ``[1, B * S / tp, H]``:
+    every rank's rows in, its own back, each row's result one process's. Rows the layer selected
+    (HiggsAudio-v2's ``self.mlp(h[~audio_mask])`` where some token is audio), which no gather
+    rebuilds, or flattened rows handed to a boundary that mixes tokens, are refused by name. The
+    shape check runs on every call (a guard under ``torch.compile``); rows also exchange their
+    count over tp (:func:`_rows_of_ranks`: one small gather and a graph break per such call)."""
+    tokenwise = not any(mixes_tokens(m) for m in module.modules())
+    flattened: list[bool] = []  # per call, pre-hook to forward hook (reentrant: checkpointing)
 
-    def hook(mod: nn.Module, args: tuple, kwargs: dict) -> None:
+    def before(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         value = kwargs.get(name, args[0] if args else None)
-        if isinstance(value, torch.Tensor) and value.dim() < 3:
+        if not isinstance(value, torch.Tensor) or value.dim() >= 3:
+            flattened.append(False)
+            return None
+        tokens = stack.__dict__.get(SEQUENCE_TOKENS)
+        rows = _rows_of_ranks(value, group) if tokenwise and value.dim() == 2 else [value.shape[0]]
+        if not tokenwise or value.dim() != 2 or any(n != tokens for n in rows):
+            got = f"shape {list(value.shape)}" if len(rows) == 1 else f"{rows} rows on the tp ranks"
             raise ShardingError(
                 f"{fqn} ({family}): under sequence parallel this boundary's input {name!r} must arrive as the "
-                f"layer's hidden states, [batch, seq / tp, ...], which it gathers along the sequence; it got shape "
-                f"{list(value.shape)}: the layer's code flattens or selects tokens before calling it, and no gather "
-                "along the sequence rebuilds that; train this family without sequence_parallel"
+                f"layer's hidden states, [batch, seq / tp, ...], which it gathers along the sequence"
+                f"{'' if tokenwise else ' (it mixes tokens)'}, or, for a token-wise boundary, as those flattened to "
+                f"[{tokens}, hidden]; it got {got}: the layer's code selects tokens before calling "
+                "it, and no gather along the sequence rebuilds that; train this family without sequence_parallel"
             )
+        flattened.append(True)
+        if name in kwargs:
+            return args, {**kwargs, name: value.unsqueeze(0)}
+        return (value.unsqueeze(0), *args[1:]), kwargs
 
-    module.register_forward_pre_hook(hook, with_kwargs=True)
+    def after(mod: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        if not flattened.pop():
+            return None
+        if isinstance(output, tuple):
+            return (output[0].squeeze(0), *output[1:])
+        return output.squeeze(0)
+
+    module.register_forward_pre_hook(before, with_kwargs=True)
+    module.register_forward_hook(after, with_kwargs=True)
     setattr(module, SEQUENCE_CHECKED, True)
+
+
+@torch.compiler.disable
+def _rows_of_ranks(value: torch.Tensor, group: Group) -> list[int]:
+    """Every tp rank's row count (8 bytes each, control traffic): rows selected on one rank and not
+    on another must be refused on all of them at once, not leave one waiting in the gather."""
+    if group.size == 1:
+        return [value.shape[0]]
+    rows = torch.empty(group.size, dtype=torch.int64, device=value.device)
+    wire.gather_control(rows, torch.tensor([value.shape[0]], dtype=torch.int64, device=value.device), group)
+    return [int(n) for n in rows.tolist()]
 
 
 def _takes_whole(module: nn.Module, bounded: set[int]) -> bool:

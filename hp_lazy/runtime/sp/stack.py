@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from hp_lazy.errors import ShardingError
-from hp_lazy.names import SEQUENCE_DIM
+from hp_lazy.names import SEQUENCE_DIM, SEQUENCE_TOKENS
 from hp_lazy.plan.model import Contract
 from hp_lazy.plan.placement import Shard
 from hp_lazy.runtime.binding import Binding
@@ -49,6 +49,9 @@ def _stack_entry(binding: Binding, stack: nn.ModuleList) -> Callable[..., tuple[
         x = args[0] if key is None else kwargs[key]
         stacked = _stacked(binding, stack, x, module, args, kwargs)
         x = binding.enter(name, x) if stacked is None else pairs.scatter_to(x, binding.groups["tp"], stacked)
+        if isinstance(x, torch.Tensor) and x.dim() >= 3:  # tokens this rank holds: batch x its piece
+            seq = 1 if stacked is None else stacked
+            setattr(stack, SEQUENCE_TOKENS, x.shape[seq - 1] * x.shape[seq])
         if key is None:
             return (x, *args[1:]), kwargs
         kwargs[key] = x
