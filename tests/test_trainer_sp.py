@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import models
 import parity
 import pytest
 import trainwork
@@ -40,3 +41,13 @@ def test_clip_grad_norm_in_a_user_loop(pool: DistPool, refs, norm_type: float) -
     path, _ = refs("llama_bias")
     ref = _reference(trainwork.clip_loop, path, norm_type)
     trainwork.compare_clip(pool.run(trainwork.clip_loop, path, norm_type), ref)
+
+
+def test_trainer_moe_with_flattened_rows_and_checkpointing(pool: DistPool, tmp_path) -> None:
+    """Ernie-4.5-MoE (its shared experts handed ``h.view(-1, H)``, its experts split over tp taking
+    every tp rank's rows) through the stock Trainer with gradient checkpointing: the recomputed
+    forward runs the rows' count exchange and the one-sequence view again, in step."""
+    path = models.build("ernie4_5_moe", str(tmp_path / "models"))
+    ref = _reference(trainwork.trainer, path, str(tmp_path / "ref"), gradient_checkpointing=True)
+    got = pool.run(trainwork.trainer, path, str(tmp_path / "hp"), gradient_checkpointing=True)
+    trainwork.compare_trainer(got[0], ref)
