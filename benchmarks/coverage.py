@@ -521,7 +521,7 @@ def child_rank(family: str, workdir: str) -> None:
             warnings.simplefilter("always", UnsplitLayersWarning)
             model = getattr(transformers, meta["auto"]).from_pretrained(workdir, dtype=_dtype(), **_load_options())
             hp_lazy.parallelize(model)
-        unsplit = next((str(w.message) for w in caught if issubclass(w.category, UnsplitLayersWarning)), None)
+        unsplit = next((w.message.declared for w in caught if isinstance(w.message, UnsplitLayersWarning)), None)
         table = record.of(model).table
         sharded = sum(1 for name, _ in model.named_parameters() if table is not None and name in table)
         total = sum(1 for _ in model.parameters())
@@ -688,7 +688,7 @@ def _compare(family: str, workdir: str) -> Row:
         if r == 0:
             share = f"{got['sharded']}/{got['total']} params sharded"
             if got.get("unsplit"):  # UnsplitLayersWarning: the config's plan leaves every layer whole
-                share += f" (layers whole: {got['unsplit'].split('is split: ', 1)[-1].split(', so ')[0]})"
+                share += f" (layers whole: {got['unsplit']})"
     if share.startswith("0/") and _cp() == 1:  # tp, or ep: some expert parameter must be cut
         return Row(family, "fail", f"parity holds but nothing was sharded ({share})")
     if floored:  # a float32 recurrent kernel: within twice one process's distance from itself

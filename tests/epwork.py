@@ -448,8 +448,8 @@ def held(rank: int, world: int, path: str) -> dict[str, Any]:
             "warnings": [str(w.message) for w in caught if "torch.distributed" in str(w.message)]}
 
 
-def experts_collectives(rank: int, world: int, path: str) -> dict[str, Any]:
-    """The collectives each ``*.mlp.experts`` call issues in one forward (entry, region and exit:
+def experts_collectives(rank: int, world: int, path: str, suffix: str = "mlp.experts") -> dict[str, Any]:
+    """The collectives each ``*{suffix}`` call issues in one forward (entry, region and exit:
     counted between the module's forward pre-hook and hook), by module: ``{op: (count, payload)}``."""
     import hp_lazy
 
@@ -469,7 +469,7 @@ def experts_collectives(rank: int, world: int, path: str) -> dict[str, Any]:
         return hook
 
     for name, module in model.named_modules():
-        if name.endswith("mlp.experts"):
+        if name.endswith(suffix):
             module.register_forward_pre_hook(enter(name))
             module.register_forward_hook(leave(name))
     model(**batch())

@@ -134,7 +134,14 @@ def test_flattened_rows_to_a_tokenwise_boundary(world: int, tmp_path, pool2: Dis
     """Ernie-4.5-MoE hands its shared experts ``h.view(-1, H)``: run as one sequence of this rank's
     rows (its experts, split over tp, gather the rows with their top-k)."""
     pool = parity.activated(pool2 if world == 2 else pool4, sequence_parallel=True)
-    epwork.check(pool, models.build("ernie4_5_moe", str(tmp_path)), "eager", sequence=True)
+    path = models.build("ernie4_5_moe", str(tmp_path))
+    epwork.check(pool, path, "eager", sequence=True)
+    # bytes per rank: the rows cross once each way, as [B, S / tp, H] would (the count exchange is
+    # control traffic, not counted)
+    rows, hidden = 2 * 16 // world, models.BASE["hidden_size"]
+    want = {"all_gather": (1, rows * hidden * 4), "reduce_scatter": (1, world * rows * hidden * 4)}
+    for mine in pool.run(epwork.experts_collectives, path, "mlp.shared_experts"):
+        assert mine == {"model.layers.1.mlp.shared_experts": want}, mine
 
 
 class _Rows(nn.Module):

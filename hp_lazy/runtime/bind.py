@@ -47,7 +47,12 @@ __all__ = ["STYLES", "UnsplitLayersWarning", "bind_layout", "match_rules", "oute
 
 class UnsplitLayersWarning(UserWarning):
     """Under tp > 1, no layer of the text stack holds a boundary: every rank runs the layers whole
-    (transformers 5.25's Qwen3-VL, LFM2, DiffLlama, ... configs plan only their embedding)."""
+    (transformers 5.25's Qwen3-VL, LFM2, DiffLlama, ... configs plan only their embedding).
+    ``declared``: what the config plans instead (``"XConfig.base_model_tp_plan plans only [...]"``)."""
+
+    def __init__(self, message: str, declared: str) -> None:
+        super().__init__(message)
+        self.declared = declared
 
 
 STYLES: dict[str, type] = {"tp": TensorParallelStyle, "cp": ContextParallelStyle, "ep": ExpertParallelStyle}
@@ -432,17 +437,16 @@ def _warn_unsplit_layers(ctx: BindContext) -> None:
     bound = [fqn for fqn, _, _ in ctx.bound]
     if not layers or any(b == layer or b.startswith(layer + ".") for layer in layers for b in bound):
         return
-    declared = sorted(getattr(text, "base_model_tp_plan", None) or {})
+    planned = sorted(getattr(text, "base_model_tp_plan", None) or {})
+    declared = f"{type(text).__name__}.base_model_tp_plan plans only {planned}"
     family = type(ctx.root).__qualname__
-    warnings.warn(
+    warnings.warn(UnsplitLayersWarning(
         f"{family}: under tp={tp.size} no module of its {len(layers)} attention layers ({layers[0]} ... "
-        f"{layers[-1]}) is split: {type(text).__name__}.base_model_tp_plan plans only {declared}, so every rank "
-        "holds and runs those layers whole (one process's memory and compute for them); pass a plan that names "
-        "their projections (README: Plans; `python -m hp_lazy layout` shows what each rank holds), or train this "
-        "family without tp",
-        UnsplitLayersWarning,
-        stacklevel=2,
-    )
+        f"{layers[-1]}) is split: {declared}, so every rank holds and runs those layers whole (one process's "
+        "memory and compute for them); pass a plan that names their projections (README: Plans; `python -m "
+        "hp_lazy layout` shows what each rank holds), or train this family without tp",
+        declared,
+    ), stacklevel=2)
 
 
 def tied_to_a_shard(where: str, layout: ParamLayout, module: str) -> ShardingError:

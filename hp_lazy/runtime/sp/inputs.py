@@ -77,22 +77,31 @@ def _check_rows(fqn: str, module: nn.Module, name: str, family: str, stack: nn.M
     tokenwise = not any(mixes_tokens(m) for m in module.modules())
     flattened: list[bool] = []  # per call, pre-hook to forward hook (reentrant: checkpointing)
 
+    def refuse(got: str, tokens: object) -> ShardingError:
+        return ShardingError(
+            f"{fqn} ({family}): under sequence parallel this boundary's input {name!r} must arrive as the "
+            f"layer's hidden states, [batch, seq / tp, ...], which it gathers along the sequence"
+            f"{'' if tokenwise else ' (it mixes tokens)'}, or, for a token-wise boundary, as those flattened to "
+            f"[{tokens}, hidden]; it got {got}: the layer's code selects tokens before calling "
+            "it, and no gather along the sequence rebuilds that; train this family without sequence_parallel"
+        )
+
+    def check(mod: nn.Module, args: tuple, kwargs: dict) -> None:  # a boundary that mixes tokens
+        value = kwargs.get(name, args[0] if args else None)
+        if isinstance(value, torch.Tensor) and value.dim() < 3:
+            raise refuse(f"shape {list(value.shape)}", stack.__dict__.get(SEQUENCE_TOKENS))
+
     def before(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         value = kwargs.get(name, args[0] if args else None)
         if not isinstance(value, torch.Tensor) or value.dim() >= 3:
             flattened.append(False)
             return None
         tokens = stack.__dict__.get(SEQUENCE_TOKENS)
-        rows = _rows_of_ranks(value, group) if tokenwise and value.dim() == 2 else [value.shape[0]]
-        if not tokenwise or value.dim() != 2 or any(n != tokens for n in rows):
-            got = f"shape {list(value.shape)}" if len(rows) == 1 else f"{rows} rows on the tp ranks"
-            raise ShardingError(
-                f"{fqn} ({family}): under sequence parallel this boundary's input {name!r} must arrive as the "
-                f"layer's hidden states, [batch, seq / tp, ...], which it gathers along the sequence"
-                f"{'' if tokenwise else ' (it mixes tokens)'}, or, for a token-wise boundary, as those flattened to "
-                f"[{tokens}, hidden]; it got {got}: the layer's code selects tokens before calling "
-                "it, and no gather along the sequence rebuilds that; train this family without sequence_parallel"
-            )
+        if value.dim() != 2:
+            raise refuse(f"shape {list(value.shape)}", tokens)
+        rows = _rows_of_ranks(value, group)
+        if any(n != tokens for n in rows):
+            raise refuse(f"{rows} rows on the tp ranks" if len(rows) > 1 else f"shape {list(value.shape)}", tokens)
         flattened.append(True)
         if name in kwargs:
             return args, {**kwargs, name: value.unsqueeze(0)}
@@ -105,8 +114,11 @@ def _check_rows(fqn: str, module: nn.Module, name: str, family: str, stack: nn.M
             return (output[0].squeeze(0), *output[1:])
         return output.squeeze(0)
 
-    module.register_forward_pre_hook(before, with_kwargs=True)
-    module.register_forward_hook(after, with_kwargs=True)
+    if tokenwise:
+        module.register_forward_pre_hook(before, with_kwargs=True)
+        module.register_forward_hook(after, with_kwargs=True)
+    else:
+        module.register_forward_pre_hook(check, with_kwargs=True)
     setattr(module, SEQUENCE_CHECKED, True)
 
 
@@ -161,9 +173,9 @@ def read_outside(cls: type, boundaries: frozenset[str],
     held = {name: (reads, names) for name, reads, names in holders}
     inside: set[int] = set()
     for node in ast.walk(fn):
-        child = _self_child(node.func) if isinstance(node, ast.Call) else None
-        if not isinstance(node, ast.Call) or child is None:
+        if not isinstance(node, ast.Call):
             continue
+        child = _self_child(node.func)
         if child in boundaries:
             handed = [*node.args, *(k.value for k in node.keywords)]
         elif child in held:  # args[0] is the child's hidden states, read on this rank's tokens

@@ -47,7 +47,7 @@ def _stack_entry(binding: Binding, stack: nn.ModuleList) -> Callable[..., tuple[
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         key = None if args else "hidden_states" if "hidden_states" in kwargs else next(iter(kwargs))
         x = args[0] if key is None else kwargs[key]
-        stacked = _stacked(binding, stack, x, module, args, kwargs)
+        stacked = _stacked(binding, stack, x, module, args, kwargs, 1)
         x = binding.enter(name, x) if stacked is None else pairs.scatter_to(x, binding.groups["tp"], stacked)
         if isinstance(x, torch.Tensor) and x.dim() >= 3:  # tokens this rank holds: batch x its piece
             seq = 1 if stacked is None else stacked
@@ -63,7 +63,7 @@ def _stack_entry(binding: Binding, stack: nn.ModuleList) -> Callable[..., tuple[
 def _stack_exit(binding: Binding, stack: nn.ModuleList) -> Callable[..., Any]:
     def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         first = output[0] if isinstance(output, tuple) else output
-        stacked = _stacked(binding, stack, first, module, args, kwargs)
+        stacked = _stacked(binding, stack, first, module, args, kwargs, binding.groups["tp"].size)
         if stacked is None:
             return binding.exit(output)
         joined = pairs.gather_from(first, binding.groups["tp"], stacked)
@@ -72,13 +72,15 @@ def _stack_exit(binding: Binding, stack: nn.ModuleList) -> Callable[..., Any]:
     return hook
 
 
-def _stacked(binding: Binding, stack: nn.ModuleList, x: Any, layer: nn.Module, args: tuple, kwargs: dict) -> int | None:
-    """The sequence dim of hidden states that stack several per-token streams with ``[B, S, H]``,
-    where the contract's ``S(1)`` names ``[B, S, H]``'s; None for ``[B, S, H]`` itself."""
+def _stacked(binding: Binding, stack: nn.ModuleList, x: Any, layer: nn.Module, args: tuple, kwargs: dict,
+             parts: int) -> int | None:
+    """The sequence dim of hidden states ``x`` (``1 / parts`` of the sequence) that stack several
+    per-token streams with ``[B, S, H]``, where the contract's ``S(1)`` names ``[B, S, H]``'s; None
+    for ``[B, S, H]`` itself."""
     shard = binding.contract.placement("in_dst", next(iter(binding.contract.in_dst), "input"), "tp")
     if not isinstance(x, torch.Tensor) or x.dim() <= 3 or not isinstance(shard, Shard) or shard.dim != 1:
         return None
-    return stacked_dim(stack, binding.fqn, x, layer, args, kwargs, 1)
+    return stacked_dim(stack, binding.fqn, x, layer, args, kwargs, parts)
 
 
 def stacked_dim(stack: nn.Module, fqn: str, x: torch.Tensor, layer: nn.Module, args: tuple, kwargs: dict,
