@@ -40,6 +40,7 @@ class Config:
     family: str
     cls: str
     axes: dict[str, Any] = field(default_factory=dict)  # Plan.auto's arguments
+    dtype: str = "float32"  # float64: a model whose float32 gradients one process cannot hold to 1e-5 of itself
 
 
 CONFIGS = {
@@ -51,6 +52,10 @@ CONFIGS = {
     "qwen3.tp2": Config("qwen3", "qwen3", "Qwen3ForCausalLM", {"tp": 2}),
     "gemma.tp2": Config("gemma", "gemma", "GemmaForCausalLM", {"tp": 2}),
     "phi3.tp2": Config("phi3", "phi3", "Phi3ForCausalLM", {"tp": 2}),
+    # attention run on the whole sequence around its per-Linear gather/split; a Gated DeltaNet likewise
+    "phi3.tp2_sp": Config("phi3", "phi3", "Phi3ForCausalLM", {"tp": 2, "sequence_parallel": True}),
+    "qwen3_next.tp2_sp": Config("qwen3_next_dense", "qwen3_next", "Qwen3NextForCausalLM",
+                                {"tp": 2, "sequence_parallel": True}, "float64"),
     "qwen3_moe.tp2": Config("qwen3_moe", "qwen3_moe", "Qwen3MoeForCausalLM", {"tp": 2}),
     "qwen2_moe.tp2": Config("qwen2_moe", "qwen2_moe", "Qwen2MoeForCausalLM", {"tp": 2}),
     "deepseek_v2.tp2": Config("deepseek_v2", "deepseek_v2", "DeepseekV2ForCausalLM", {"tp": 2}),
@@ -79,18 +84,21 @@ def sweep(names: list[str], limit: int | None, timeout: float, log: bool) -> tup
             for name in names:
                 config = CONFIGS[name]
                 path, ref = refs(config.model)
+                if config.dtype != "float32":
+                    ref = models.run_training(models.load(path, config.dtype, experts_implementation="eager"),
+                                              models.batch())
                 plan = mutate.explicit_plan(config.family, **config.axes)
                 found = mutate.exhaustive(plan)[:limit]
                 start, counts = time.perf_counter(), collections.Counter()
                 control = pool.run(mutate.run, config.family, config.cls, plan, path, models.batch(),
-                                   os.path.join(root, "cache"))
+                                   os.path.join(root, "cache"), config.dtype)
                 if mutate.verdict(control, ref) != "match":  # the plan itself must train right, or nothing is measured
                     why = control[0].get("refused") or control[0].get("crashed") or mutate.verdict(control, ref)
                     raise RuntimeError(f"{name}: Plan.auto's own plan, written out, does not match one process: {why}")
                 for what, mutant in found:
                     try:
                         got = pool.run(mutate.run, config.family, config.cls, mutant, path, models.batch(),
-                                       os.path.join(root, "cache"))
+                                       os.path.join(root, "cache"), config.dtype)
                         result = mutate.verdict(got, ref)
                     except WorkerError as error:  # a rank hung or died: the pool restarts on its next use
                         result = f"unclear: {str(error).splitlines()[-1][:160]}"

@@ -97,6 +97,9 @@ in the current forward, against which a boundary handed flattened rows checks th
 SEQUENCE_DIM = "_hp_sequence_dim"
 """Layer-stack ``__dict__`` key: the sequence dim of hidden states that stack several streams per
 token, read at the stack's entry from the whole sequence (:mod:`hp_lazy.runtime.sp.stack`)."""
+SEQUENCE_RUNNING = "_hp_sequence_running"
+"""Layer-stack ``__dict__`` key: its forward is between its entry and its exit (this rank holds a
+piece of the sequence), so a module planned outside it that a layer calls would get that piece."""
 LOG_HANDLER = "_hp_lazy"
 """Attribute of the log handler ``HP_LAZY_DEBUG`` adds (so it is added once)."""
 
@@ -105,5 +108,5 @@ ATTACHED: frozenset[str] = frozenset(
     {BOUND, OWNER, LEAF_INPUTS, VOCAB_RANGE, INPUT_CHECK, CP_ENTRY, EP_DISPATCH, EP_LOAD, PATCHED,
      OPTIM_ADOPTED, LAID_OUT, LEAF, WATCH, ADAPTER_HOOKS, LAZY_HOOK, LAZY_INIT, ROUTED, NO_HUB_KERNEL, HUB_CONDITION,
      WRAPPED, DROPOUT_CUTS, LOG_HANDLER, SPLIT, SEQUENCE_GATHERED, SEQUENCE_INPUTS, SEQUENCE_CHECKED,
-     SEQUENCE_DIM, SEQUENCE_TOKENS}
+     SEQUENCE_DIM, SEQUENCE_TOKENS, SEQUENCE_RUNNING}
 )

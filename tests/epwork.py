@@ -11,6 +11,7 @@ import dataclasses
 from typing import Any
 
 import models
+import parity
 
 IMPLS = ("grouped_mm", "eager", "batched_mm")
 
@@ -449,32 +450,10 @@ def held(rank: int, world: int, path: str) -> dict[str, Any]:
 
 
 def experts_collectives(rank: int, world: int, path: str, suffix: str = "mlp.experts") -> dict[str, Any]:
-    """The collectives each ``*{suffix}`` call issues in one forward (entry, region and exit:
-    counted between the module's forward pre-hook and hook), by module: ``{op: (count, payload)}``."""
+    """The collectives each ``*{suffix}`` call issues in one forward (:func:`parity.collectives_of`)."""
     import hp_lazy
 
-    model = hp_lazy.parallelize(load(path))
-    open_: dict[str, Any] = {}
-    counted: dict[str, Any] = {}
-
-    def enter(name: str):  # noqa: ANN202
-        def hook(module, args) -> None:  # noqa: ANN001
-            open_[name] = hp_lazy.collective_counter()
-            counted[name] = open_[name].__enter__()
-        return hook
-
-    def leave(name: str):  # noqa: ANN202
-        def hook(module, args, out) -> None:  # noqa: ANN001
-            open_.pop(name).__exit__(None, None, None)
-        return hook
-
-    for name, module in model.named_modules():
-        if name.endswith(suffix):
-            module.register_forward_pre_hook(enter(name))
-            module.register_forward_hook(leave(name))
-    model(**batch())
-    return {name: {op: (c.counts[(op, "forward")], c.payload[(op, "forward")]) for op, _ in c.counts}
-            for name, c in counted.items()}
+    return parity.collectives_of(hp_lazy.parallelize(load(path)), suffix, batch())
 
 
 def train_misrouted(rank: int, world: int, path: str, data: dict[str, Any]) -> dict[str, Any]:

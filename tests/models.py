@@ -154,6 +154,13 @@ MORE_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
                                        "linear_conv_kernel_dim": 4, "num_experts": 4, "num_experts_per_tok": 2,
                                        "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
                                        "layer_types": ["linear_attention", "full_attention"]}),
+    # the same with layer 1's MLP dense: every contract of the plan finds a module (an explicit plan's rule)
+    "qwen3_next_dense": ("Qwen3NextConfig", {"head_dim": 8, "num_key_value_heads": 2, "linear_num_key_heads": 2,
+                                             "linear_num_value_heads": 4, "linear_key_head_dim": 8,
+                                             "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4, "num_experts": 4,
+                                             "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                             "shared_expert_intermediate_size": 32, "mlp_only_layers": [1],
+                                             "layer_types": ["linear_attention", "full_attention"]}),
     # a Mamba2 hybrid: layer 0 Mamba2 (4 heads of 16, state 8, SSD chunks of 4, conv kernel 4), layer 1 attention
     "bamba": ("BambaConfig", {"attn_layer_indices": [1], "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_d_state": 8,
                               "mamba_n_groups": 1, "mamba_chunk_size": 4, "num_key_value_heads": 2,

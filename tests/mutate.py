@@ -176,10 +176,11 @@ def exhaustive(plan: dict[str, Any]) -> list[Mutant]:
     return make.out
 
 
-def run(rank: int, world: int, family: str, cls: str, plan: dict[str, Any], path: str, ids, cache: str) -> dict:
+def run(rank: int, world: int, family: str, cls: str, plan: dict[str, Any], path: str, ids, cache: str,
+        dtype: str = "float32") -> dict:
     """Activate ``plan`` afresh, import the modeling module through it, train one step; rank 0 also
     returns the full gradients. Every rank feeds the same batch: tp and cp ranks must, and ep's dp
-    ranks then average equal gradients, one process's."""
+    ranks then average equal gradients, one process's. ``dtype``: see :func:`load_options`."""
     import importlib
     import sys
 
@@ -192,7 +193,7 @@ def run(rank: int, world: int, family: str, cls: str, plan: dict[str, Any], path
     try:
         hp_lazy.activate(plan, cache_dir=cache)
         model_cls = getattr(importlib.import_module(name), cls)
-        model = model_cls.from_pretrained(path)
+        model = model_cls.from_pretrained(path, **load_options(dtype))
         out = model(input_ids=ids, labels=ids)
         out.loss.backward()
         logits = hp_lazy.gather_sequence(out.logits.detach()) if "cp" in plan["mesh"] else out.logits.detach()
@@ -206,6 +207,15 @@ def run(rank: int, world: int, family: str, cls: str, plan: dict[str, Any], path
         sys.modules.pop(name, None)
     result = {"loss": out.loss.detach(), "logits": logits}
     return {**result, "grads": grads} if rank == 0 else result
+
+
+def load_options(dtype: str) -> dict[str, Any]:
+    """``from_pretrained`` options for ``dtype``: float64 for a model whose float32 gradients one
+    process cannot hold to 1e-5 of itself (a Gated DeltaNet's ``A_log``), with eager experts
+    (torch's grouped_mm takes no float64)."""
+    import torch
+
+    return {} if dtype == "float32" else {"dtype": getattr(torch, dtype), "experts_implementation": "eager"}
 
 
 def verdict(got: list[dict], ref: dict) -> str:

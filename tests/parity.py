@@ -104,6 +104,43 @@ def count_bytes(rank: int, world: int, path: str, ids) -> dict[str, Any]:
             "all_gather_bytes": counter.bytes_of("all_gather")}
 
 
+def collectives_of(model, suffix: str, inputs: dict[str, Any]) -> dict[str, Any]:
+    """The collectives each ``*{suffix}`` module of ``model`` issues in one forward on ``inputs``
+    (entry, body and exit: counted between its forward pre-hook and hook), by module:
+    ``{op: (count, payload)}``."""
+    import hp_lazy
+
+    open_: dict[str, Any] = {}
+    counted: dict[str, Any] = {}
+
+    def enter(name: str):  # noqa: ANN202
+        def hook(module, args) -> None:  # noqa: ANN001
+            open_[name] = hp_lazy.collective_counter()
+            counted[name] = open_[name].__enter__()
+        return hook
+
+    def leave(name: str):  # noqa: ANN202
+        def hook(module, args, out) -> None:  # noqa: ANN001
+            open_.pop(name).__exit__(None, None, None)
+        return hook
+
+    for name, module in model.named_modules():
+        if name.endswith(suffix):
+            module.register_forward_pre_hook(enter(name))
+            module.register_forward_hook(leave(name))
+    model(**inputs)
+    return {name: {op: (c.counts[(op, "forward")], c.payload[(op, "forward")]) for op, _ in c.counts}
+            for name, c in counted.items()}
+
+
+def module_collectives(rank: int, world: int, path: str, suffix: str) -> dict[str, Any]:
+    """:func:`collectives_of` the model at ``path``, on :func:`models.batch` as inputs and labels."""
+    import hp_lazy
+
+    ids = models.batch()
+    return collectives_of(hp_lazy.parallelize(_load(path)), suffix, {"input_ids": ids, "labels": ids})
+
+
 def train_without_mixers(rank: int, world: int, path: str, ids) -> dict[str, Any]:
     """Negative control: no token mixer run on the whole sequence under sequence parallel."""
     from hp_lazy.runtime.sp import mixers

@@ -204,13 +204,91 @@ def test_loss_parallel_keeps_logits_vocab_sharded() -> None:
     assert contracts("llama")["lm_head"]["out_dst"] == {"output": R}
 
 
-def test_sequence_parallel_rejects_per_linear_gathers() -> None:
+def test_sequence_parallel_runs_modules_holding_per_linear_leaves_whole() -> None:
+    """Phi-3's attention gathers its fused qkv_proj's output and splits o_proj's input: it runs on
+    the whole sequence (gathered in; no param of its own), its leaves keep tp's contracts, and
+    o_proj, whose output the forward returns as it is, leaves reduce-scattered to this rank's piece."""
+    got = contracts("phi3", sequence_parallel=True)
+    assert got["model.layers.*.self_attn"] == {
+        "in_src": {"hidden_states": {"tp": "S(1)"}}, "in_dst": {"hidden_states": R},
+        "out_src": {"output": {"tp": "S(1)"}}, "out_dst": {"output": {"tp": "S(1)"}},
+    }
+    assert got["model.layers.*.self_attn.qkv_proj"] == contracts("phi3")["model.layers.*.self_attn.qkv_proj"]
+    o_proj = got["model.layers.*.self_attn.o_proj"]
+    assert o_proj["in_src"] == {"input": R} and o_proj["out_src"] == {"output": P}
+    assert o_proj["out_dst"] == {"output": {"tp": "S(1)"}}
+    assert "model.layers" in got  # the stack
+
+
+def test_a_returned_colwise_gather_leaves_by_all_to_all() -> None:
+    """Qwen3-Next's Gated DeltaNet gathers every projection's output; out_proj's, which it returns,
+    goes S(-1) -> S(1) (an all-to-all) instead of S(-1) -> R; the projections before stay whole."""
+    got = contracts("qwen3_next", sequence_parallel=True)
+    region = got["model.layers.*.linear_attn"]
+    assert region["in_src"] == {"hidden_states": {"tp": "S(1)"}} and region["out_src"] == {"output": {"tp": "S(1)"}}
+    assert got["model.layers.*.linear_attn.out_proj"]["out_dst"] == {"output": {"tp": "S(1)"}}
+    for leaf in ("in_proj_qkvz", "in_proj_ba"):
+        assert got[f"model.layers.*.linear_attn.{leaf}"]["out_dst"] == {"output": R}
+
+
+def test_leaves_and_boundaries_outside_the_layers_keep_tp_contracts() -> None:
+    """MuseGlimmer's vision patch embedding (a gathered leaf) and its vision adapter (a boundary)
+    sit outside any layer stack: they see whole values under sequence parallel too."""
+    sp, tp = contracts("muse_glimmer", sequence_parallel=True), contracts("muse_glimmer")
+    for pattern in ("model.vision_tower.patch_embedder.patch_embedding", "model.vision_adapter"):
+        assert sp[pattern] == tp[pattern]
+
+
+def test_a_leaf_in_a_slot_that_is_also_a_boundary_is_refused() -> None:
     with pytest.raises(PlanError) as info:
-        contracts("phi3", sequence_parallel=True)
+        contracts("muse_spark", sequence_parallel=True)
     assert str(info.value).startswith(
-        "transformers.models.phi3.modeling_phi3: Phi3Config.base_model_tp_plan['layers.*.self_attn.qkv_proj'] = "
-        "'colwise_gather_output' puts a per-Linear gather/split inside a layer, which sequence_parallel cannot wrap"
+        "transformers.models.muse_spark.modeling_muse_spark: MuseSparkTextConfig.base_model_tp_plan"
+        "['layers.*.mlp.pre_expert_proj'] = 'rowwise_split_input' sits in 'layers.*.mlp', which sequence_parallel "
+        "would run on the whole sequence, but 'layers.*.mlp' is also a tp boundary (MuseSparkTextConfig."
+        "base_model_tp_plan) in some layers; a slot runs either split or whole"
     )
+
+
+RETURNS = textwrap.dedent(
+    '''
+    from torch import nn
+
+    class Direct(nn.Module):
+        def forward(self, x):
+            y = self.proj(x)
+            return self.out(y), None
+
+    class Named(nn.Module):
+        def forward(self, x):
+            x = self.proj(x)
+            x = self.out(x)
+            return x
+
+    class Changed(nn.Module):
+        def forward(self, x):
+            x = self.out(x)
+            x = x * 2
+            return x
+
+    class Branched(nn.Module):
+        def forward(self, x):
+            x = self.out(x)
+            if x.dim() == 2:
+                x = x[None]
+            return x
+    '''
+)
+
+
+def test_the_output_a_forward_returns_as_it_is() -> None:
+    from hp_lazy.plan.auto import sp
+    from hp_lazy.plan.auto.draft import Draft
+    from hp_lazy.plan.model import AutoFlags
+    from hp_lazy.plan.resolve import analyze
+
+    draft = Draft(analyze(TOY, RETURNS), AutoFlags())
+    assert [sp._returned_child(draft, c) for c in ("Direct", "Named", "Changed", "Branched")] == ["out", "out", None, None]
 
 
 def test_moe_experts_are_split_by_expert_over_tp_and_dense_slots_pick_their_class() -> None:

@@ -268,3 +268,66 @@ def test_a_class_lowered_for_one_boundary_is_not_bound_at_run_time_for_another()
                                         r"\(skip_source_lowering\), but 'mlp' rewrites that class's forward from source, "
                                         r"which would apply the entry and exit ops a second time"):
         plan.slice("pkg.mod", source)
+
+
+S1 = {"tp": "S(1)"}
+WHOLE: dict[str, Any] = {"in_src": {"hidden_states": S1}, "in_dst": {"hidden_states": R},
+                         "out_src": {"output": S1}, "out_dst": {"output": S1}}
+QKV: dict[str, Any] = {"in_src": {"input": R}, "in_dst": {"input": R}, "out_src": {"output": {"tp": "S(-1)"}},
+                       "out_dst": {"output": R}, "params": {"weight": {"tp": "S(0)"}}}
+O_PROJ: dict[str, Any] = {"in_src": {"input": R}, "in_dst": {"input": {"tp": "S(-1)"}}, "out_src": {"output": P},
+                          "out_dst": {"output": S1}, "params": {"weight": {"tp": "S(1)"}}}
+
+
+def check_whole(region: dict, qkv: dict = QKV, o_proj: dict = O_PROJ) -> None:
+    """Phi-3's attention under sequence parallel: run on the whole sequence, its leaves inside."""
+    check("model.layers.*.self_attn", region, extra=(
+        ("model.layers", STACK, "torch.nn.ModuleList"),
+        ("model.layers.*.self_attn.qkv_proj", qkv, "torch.nn.Linear"),
+        ("model.layers.*.self_attn.o_proj", o_proj, "torch.nn.Linear"),
+    ))
+
+
+def test_a_module_run_whole_inside_the_stack_passes() -> None:
+    check_whole(WHOLE)
+    check_whole({**WHOLE, "out_src": {"output": R}}, o_proj={**O_PROJ, "out_dst": {"output": R}})  # cut at its exit
+
+
+@pytest.mark.parametrize(("region", "qkv", "o_proj", "text"), [
+    ({**WHOLE, "out_dst": {"output": R}}, QKV, O_PROJ,
+     r"model.layers.\*.self_attn: out_dst\['output'\] is R on tp, but this module runs on the whole sequence inside "
+     r"the stack 'model.layers', whose code after it holds the sequence as S\(1\); set out_dst\['output'\] to 'S\(1\)'"),
+    ({**WHOLE, "out_src": {"output": R}}, QKV, O_PROJ,
+     r"model.layers.\*.self_attn: out_src\['output'\] is R on tp while \['model.layers.\*.self_attn.o_proj'\] inside "
+     r"it leave\(s\) as S\(1\); a module run on the whole sequence returns whole values"),
+    (WHOLE, QKV, {**O_PROJ, "out_dst": {"output": R}},
+     r"model.layers.\*.self_attn: out_src\['output'\] is S\(1\) on tp while no contract inside it leave\(s\) as S\(1\)"),
+    (WHOLE, {**QKV, "out_dst": {"output": S1}}, O_PROJ,
+     r"model.layers.\*.self_attn: out_src\['output'\] is S\(1\) on tp while \['model.layers.\*.self_attn.qkv_proj', "
+     r"'model.layers.\*.self_attn.o_proj'\] inside it leave\(s\) as S\(1\)"),
+    (WHOLE, {**QKV, "in_src": {"input": S1}}, O_PROJ,
+     r"model.layers.\*.self_attn.qkv_proj: in_src\['input'\] is S\(1\) on tp, but 'model.layers.\*.self_attn' around it "
+     r"gathers the sequence and runs on whole values; set in_src\['input'\] to 'R' on tp"),
+])
+def test_a_module_run_whole_hands_over_one_piece(region: dict, qkv: dict, o_proj: dict, text: str) -> None:
+    """Each case validated before these rules (benchmarks/mutants.py, phi3.tp2_sp and qwen3_next.tp2_sp)."""
+    with pytest.raises(PlanError, match=text):
+        check_whole(region, qkv, o_proj)
+
+
+def test_experts_inside_the_stack_take_every_input_as_rows() -> None:
+    """Top-k ids declared whole beside rows cut over tp died in torch's indexing (the mutant sweep's
+    qwen3_next.tp2_sp), before this rule."""
+    rows = {"tp": "S(0)"}
+    names = ("hidden_states", "top_k_index", "top_k_weights")
+    experts = {"in_src": {n: rows for n in names}, "in_dst": {n: R for n in names},
+               "out_src": {"output": P}, "out_dst": {"output": rows},
+               "params": {"gate_up_proj": {"tp": "S(0)"}, "down_proj": {"tp": "S(0)"}},
+               "skip_source_lowering": True, "region": {"kind": "tp_experts"}}
+    stack = (("model.layers", STACK, "torch.nn.ModuleList"),)
+    check("model.layers.*.mlp.experts", experts, "Experts", stack)
+    with pytest.raises(PlanError, match=r"model.layers.\*.mlp.experts: in_src\['top_k_index'\] is R on tp, but experts "
+                                        r"split by expert over tp inside the stack 'model.layers' take every input per "
+                                        r"row, as this rank's rows \(S\(0\)\)"):
+        check("model.layers.*.mlp.experts", {**experts, "in_src": {**experts["in_src"], "top_k_index": R}}, "Experts",
+              stack)

@@ -210,3 +210,32 @@ def test_rows_selected_on_one_rank_only_are_refused_on_every_rank(pool2: DistPoo
     rank left in the gather would wait out the process-group timeout)."""
     texts = pool2.run(_diverging_rows)
     assert len(set(texts)) == 1 and "it got [16, 12] rows on the tp ranks" in texts[0], texts
+
+
+def _head_called_in_a_layer(rank: int, world: int, path: str) -> dict:
+    """An early-exit head: layer 0 calls the model's lm_head (planned outside the stack) itself."""
+    import hp_lazy
+
+    model = hp_lazy.parallelize(parity._load(path))
+    ids = models.batch()
+    handle = model.model.layers[0].register_forward_hook(lambda m, a, out: model.lm_head(out))
+    try:
+        model(input_ids=ids, labels=ids)
+        refused = "ran"
+    except ShardingError as error:
+        refused = str(error)
+    handle.remove()
+    return {"refused": refused, "loss": model(input_ids=ids, labels=ids).loss.detach()}
+
+
+def test_a_module_planned_outside_the_stack_called_in_a_layer_is_refused(refs, pool2: DistPool) -> None:
+    """It would read this rank's piece of the sequence as the whole (a colwise head gathers its
+    features across ranks that hold other tokens). Refused on every rank; the next forward runs."""
+    path, ref = refs("llama")
+    results = parity.activated(pool2, sequence_parallel=True).run(_head_called_in_a_layer, path)
+    for got in results:
+        assert got["refused"].startswith(
+            "lm_head (LlamaForCausalLM): its contract lies outside the sequence-parallel layer stack ['model.layers'] "
+            "and takes whole values, but a layer calls it while the stack runs, with this rank's piece of the "
+            "sequence"), got["refused"]
+        assert models.rel_err(got["loss"], ref["loss"]) <= parity.TOL

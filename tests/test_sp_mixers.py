@@ -4,7 +4,12 @@ attention module the plan leaves out (T5Gemma's cross-attention), which transfor
 leave whole, run on the whole sequence (gathered in, cut out) while the attention and MLP
 boundaries around them keep the sequence split. One process's loss, logits, every
 gradient and 3 SGD+wd steps at tp=2 and 4; the collectives that costs; without it the numbers are
-silently wrong (negative control); a layer kind with no mixer hp_lazy can find is refused by name."""
+silently wrong (negative control); a layer kind with no mixer hp_lazy can find is refused by name.
+
+Modules the plan itself runs on the whole sequence, because they hold a per-Linear gather or split
+(Phi-3's fused ``qkv_proj``, Qwen3-Next's Gated DeltaNet projections: :mod:`hp_lazy.plan.auto.sp`):
+the same numbers, the bytes per rank of their own collectives, and their unsharded parameters'
+whole gradients left out of the stack's partial sums (negative control)."""
 
 from __future__ import annotations
 
@@ -63,3 +68,49 @@ def test_a_layer_kind_with_no_mixer_found_is_refused(refs, pool2: DistPool, pool
     assert ("ShardingError: model.layers.0 (MiniMaxForCausalLM): layer 0 is a 'linear_attention' layer, which mixes "
             "tokens along the sequence; sequence parallel splits the sequence between the tp boundaries, and hp_lazy "
             "finds no module of this layer it can run on the whole sequence") in str(info.value)
+
+
+@pytest.mark.parametrize(("name", "world"), [("phi3", 2), ("phi3", 4), ("qwen3_next", 2), ("qwen3_next", 4)])
+def test_modules_holding_per_linear_leaves_match_one_process(name: str, world: int, refs, pool2: DistPool,
+                                                              pool4: DistPool) -> None:
+    errors = parity.check_parity(_pool(world, pool2, pool4), refs, name)
+    assert len(errors) > 10 and max(errors.values()) <= parity.TOL
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_bytes_of_a_module_run_whole(world: int, refs, pool2: DistPool, pool4: DistPool) -> None:
+    """Per rank and layer: the sequence gathered once on the way in, each gathered projection's
+    features as under tp alone, and the projection the module returns hands over this rank's piece
+    itself: Phi-3's rowwise o_proj a reduce-scatter (no all-reduce), Qwen3-Next's colwise out_proj
+    an all-to-all of [B, S, V / tp] (no all-gather of [B, S, V])."""
+    pool = _pool(world, pool2, pool4)
+    b, s, h, f = 2, 16, models.BASE["hidden_size"], 4  # float32
+    qkv = (4 + 2 * 4) * 8  # 4 query and 4 K/V heads of 8
+    want = {"all_gather": (2, b * s // world * h * f + b * s * qkv // world * f),
+            "reduce_scatter": (1, b * s * h * f)}
+    for mine in pool.run(parity.module_collectives, refs("phi3")[0], "self_attn"):
+        assert mine == {f"model.layers.{i}.self_attn": want for i in range(2)}, mine
+    qkvz, ba, value = 2 * 16 + 2 * 32, 2 * 4, 4 * 8  # 2 key heads and 4 value heads of 8
+    want = {"all_gather": (3, b * s // world * h * f + b * s * (qkvz + ba) // world * f),
+            "all_to_all": (1, b * s * value // world * f * (world - 1) // world)}
+    for mine in pool.run(parity.module_collectives, refs("qwen3_next")[0], "linear_attn"):
+        assert mine == {"model.layers.0.linear_attn": want}, mine
+
+
+def _train_summing_whole_modules(rank: int, world: int, path: str, ids) -> dict:
+    """Negative control: the parameters of a module run whole summed over tp like the norms."""
+    from hp_lazy.runtime.sp import mixers
+
+    original = mixers.planned_whole
+    mixers.planned_whole = lambda ctx: None
+    try:
+        return parity.train(rank, world, path, ids)
+    finally:
+        mixers.planned_whole = original
+
+
+def test_whole_gradients_summed_over_tp_fail_parity(refs, pool2: DistPool, pool4: DistPool) -> None:
+    path, ref = refs("qwen3_next")
+    got = _pool(2, pool2, pool4).run(_train_summing_whole_modules, path, models.batch())[0]
+    errors = parity.relative_errors(got, ref)
+    assert errors["grad model.layers.0.linear_attn.A_log"] > 0.5  # twice the gradient: measured 1.0

@@ -23,9 +23,7 @@ On every axis, whatever the contract shards:
 
 - **partial sums come from shards**: an output declared ``P(sum)`` needs a parameter sharded on that
   axis (a replicated computation reduced over the axis would count once per rank);
-- **the sequence-parallel stack** takes and gives whole values (``in_src`` / ``out_dst`` ``R``), sums
-  the gradients of the replicated parameters inside it (``grad_sum_params`` ``"*"``), and every
-  boundary inside it that shards parameters takes one input as the stack's shard and leaves as it;
+- **the sequence-parallel stack** and what lies inside it: :mod:`hp_lazy.plan.stack_rules`;
 - **sequence shards live in the stack**: an input or output that is sharded where it crosses the
   boundary (``in_src`` / ``out_dst`` ``S(d)``) only exists inside a contract that scatters and
   gathers that dim (the sequence-parallel layer stack: ``in_dst`` and ``out_src`` ``S(d)``), or is a
@@ -46,7 +44,8 @@ from collections.abc import Mapping, Sequence
 
 from hp_lazy.errors import PlanError
 from hp_lazy.plan.model import Contract
-from hp_lazy.plan.placement import REPLICATE, Partial, Placement, Replicate, Shard
+from hp_lazy.plan.placement import REPLICATE, Partial, Shard
+from hp_lazy.plan.stack_rules import check_stacks, held, is_stack
 from hp_lazy.plan.transitions import transition_op
 
 _FIX_ENTRY = "declare the boundary's input (e.g. 'hidden_states') with in_src/in_dst on that axis"
@@ -56,89 +55,15 @@ def check_plan(contracts: Sequence[tuple[Contract, str]], mesh: Mapping[str, int
     """Every contract (with its resolved class), then the rules between contracts."""
     for contract, cls in contracts:
         check_contract(contract, cls, mesh)
-    stacks = [c for c, _ in contracts if _is_stack(c)]
+    stacks = [c for c, _ in contracts if is_stack(c)]
     for contract, cls in contracts:
-        if _is_stack(contract):
-            _check_stack(contract)
+        if is_stack(contract):  # it scatters the sequence itself: only a partial sum cannot enter it
+            for name, axis, placement in [(n, a, p) for n in contract.in_src for a, p in contract.in_src[n].items()]:
+                if isinstance(placement, Partial):
+                    _refuse_partial_crossing(contract, "in_src", name, axis, placement)
         else:
             _check_sharded_crossings(contract, cls, stacks)
-            _check_inside_stacks(contract, stacks, mesh)
-
-
-def _is_stack(contract: Contract) -> bool:
-    """Scatters on entry and gathers on exit along the same dim, on some axis."""
-    return any(
-        isinstance(contract.placement("in_dst", name, axis), Shard)
-        and contract.placement("in_dst", name, axis) == contract.placement("out_src", "output", axis)
-        for name in contract.in_dst for axis in contract.in_dst[name]
-    )
-
-
-def _check_stack(stack: Contract) -> None:
-    """A sequence-parallel stack takes whole values in and gives whole values back (the embedding
-    before it and the final norm after it run on every token), and the replicated parameters inside
-    it see only this rank's tokens, so their gradients are partial sums: ``grad_sum_params`` "*"."""
-    for name in stack.in_src:
-        for axis, placement in stack.in_src[name].items():
-            if isinstance(placement, Partial):
-                _refuse_partial_crossing(stack, "in_src", name, axis, placement)
-    for side, name in [("in_src", n) for n in stack.in_dst] + [("out_dst", "output")]:
-        for axis in _stack_axes(stack):
-            placement = stack.placement(side, name, axis)
-            if not isinstance(placement, Replicate):
-                raise PlanError(
-                    f"{stack.pattern}: {side}[{name!r}] is {placement} on {axis}, but the layer stack scatters the "
-                    f"sequence itself: the value {'arriving' if side == 'in_src' else 'leaving'} is whole on every "
-                    f"rank; set {side}[{name!r}] to 'R' on {axis}"
-                )
-    if _stack_axes(stack) and not {"*", "**"} & set(stack.grad_sum_params):
-        raise PlanError(
-            f"{stack.pattern}: the stack shards the sequence on {', '.join(_stack_axes(stack))}, so every replicated "
-            "parameter inside it (the norms) sees only this rank's tokens and its gradient is a partial sum; set "
-            "grad_sum_params to ['*'] (everything under the stack that no other contract claims)"
-        )
-
-
-def _stack_axes(stack: Contract) -> list[str]:
-    return sorted({axis for name in stack.in_dst for axis, p in stack.in_dst[name].items()
-                   if isinstance(p, Shard) and p == stack.placement("out_src", "output", axis)})
-
-
-def _check_inside_stacks(contract: Contract, stacks: list[Contract], mesh: Mapping[str, int]) -> None:
-    """A boundary inside a sequence-parallel stack receives the stack's sequence shard and returns
-    it, on each axis it shards parameters on: one of its inputs is that shard in in_src (the layer's
-    hidden states; others, such as an encoder's states, may arrive whole) and its out_dst is that
-    shard (the entry gathers, the exit reduce-scatters); 'R' there would mix whole and sharded rows."""
-    for stack in stacks:
-        if not contract.pattern.startswith(stack.pattern + "."):
-            continue
-        for axis in _stack_axes(stack):
-            if axis not in _sharding_axes(contract, mesh):
-                continue
-            shard = _held(contract, stack.placement("out_src", "output", axis))
-            fix = f"(the entry gathers the sequence, the exit reduce-scatters it) in the stack {stack.pattern!r}"
-            out = contract.placement("out_dst", "output", axis)
-            if out != shard:
-                raise PlanError(
-                    f"{contract.pattern}: out_dst['output'] is {out} on {axis}, but the stack around it holds the "
-                    f"sequence as {shard} there; set out_dst['output'] to {str(shard)!r} on {axis} {fix}"
-                )
-            seen = {n: contract.placement("in_src", n, axis) for n in contract.in_dst}
-            if seen and shard not in seen.values():
-                raise PlanError(
-                    f"{contract.pattern}: in_src declares {', '.join(f'{n}: {p}' for n, p in seen.items())} on {axis}, "
-                    f"but the stack around it holds the sequence as {shard} there: the layer's hidden states arrive "
-                    f"as that shard; set their in_src to {str(shard)!r} on {axis} {fix}"
-                )
-
-
-def _held(contract: Contract, shard: Placement) -> Placement:
-    """How ``contract`` receives a stack's sequence shard: as it is, or, for experts split by expert
-    over tp (``tp_experts``), as rows ``S(0)``: the experts take the layer's tokens flattened
-    (``[B * S / tp, H]``) and treat every row alike, so this rank's rows are its sequence shard."""
-    if contract.region is not None and contract.region.kind == "tp_experts" and isinstance(shard, Shard):
-        return Shard(0)
-    return shard
+    check_stacks([c for c, _ in contracts], mesh)
 
 
 def _check_sharded_crossings(contract: Contract, cls: str, stacks: list[Contract]) -> None:
@@ -152,7 +77,7 @@ def _check_sharded_crossings(contract: Contract, cls: str, stacks: list[Contract
             if side == "out_dst" and placement.dim == -1 and cls.rpartition(".")[2] == "Linear":
                 continue  # a vocab-sharded head: the vocab-parallel loss reads it
             inside = [s for s in stacks if contract.pattern.startswith(s.pattern + ".")
-                      and any(_held(contract, s.placement("in_dst", n, axis)) == placement for n in s.in_dst)]
+                      and any(held(contract, s.placement("in_dst", n, axis)) == placement for n in s.in_dst)]
             if not inside:
                 raise PlanError(
                     f"{contract.pattern}: {side}[{name!r}] is {placement} on {axis}, but no contract around it "
@@ -187,7 +112,7 @@ def check_contract(contract: Contract, cls: str, mesh: Mapping[str, int]) -> Non
                 "deferred_bias_params; fix the name or drop it"
             )
     _check_params(contract)
-    for axis in _sharding_axes(contract, mesh):
+    for axis in contract.sharding_axes(mesh):
         _check_entry(contract, axis)
         _check_inputs(contract, cls, axis)
         _check_exit(contract, axis)
@@ -196,13 +121,6 @@ def check_contract(contract: Contract, cls: str, mesh: Mapping[str, int]) -> Non
     _check_region_exit(contract, mesh)
     _check_partial_outputs(contract, mesh)
     _check_context_parallel(contract, mesh)
-
-
-def _sharding_axes(contract: Contract, mesh: Mapping[str, int]) -> list[str]:
-    axes = {a for spec in contract.params.values() for a, p in spec.items() if isinstance(p, Shard)}
-    if contract.region is not None and contract.region.kind == "ep_dispatch":
-        axes.discard("ep")  # the region moves the tokens over ep itself (runtime/ep/dispatch.py)
-    return sorted(a for a in axes if mesh.get(a, 0) != 1)
 
 
 def _check_entry(contract: Contract, axis: str) -> None:

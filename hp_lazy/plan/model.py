@@ -147,6 +147,14 @@ class Contract:
         sides = (self.in_src, self.in_dst, self.out_src, self.out_dst, self.params)
         return frozenset(axis for side in sides for axes in side.values() for axis in axes)
 
+    def sharding_axes(self, mesh: Mapping[str, int]) -> list[str]:
+        """The axes of ``mesh`` (size above 1) on which it shards a parameter; an ``ep_dispatch``
+        region moves the tokens over ep itself (:mod:`hp_lazy.runtime.ep.dispatch`), so not ep."""
+        axes = {a for spec in self.params.values() for a, p in spec.items() if p.is_shard}
+        if self.region is not None and self.region.kind == "ep_dispatch":
+            axes.discard("ep")
+        return sorted(a for a in axes if mesh.get(a, 0) != 1)
+
     def placement(self, side: str, name: str, axis: str) -> Placement:
         """``side`` in in_src/in_dst/out_src/out_dst/params; a missing entry or axis is ``R``."""
         return getattr(self, side).get(name, {}).get(axis, REPLICATE)

@@ -183,6 +183,7 @@ def _bind_root(
     adapters.refuse_cut_parameter_adapters(root, ctx.by_param)
     mixers.gather_mixers(ctx)
     inputs.cut_layer_inputs(ctx)
+    inputs.refuse_outside_calls(ctx)
     for style in styles:
         style.gradients(ctx)
         style.finish(ctx)
@@ -271,7 +272,8 @@ def _match(root: nn.Module, lowered: registry.Lowered) -> list[Bound]:
             if not hits:
                 continue
             earlier = found.setdefault(id(module), (fqn, module, hits[0]))
-            if earlier[2] is not hits[0]:
+            # the same contract under two patterns (a layer stack planned from a composite model and from its tower)
+            if earlier[2] is not hits[0] and earlier[2].to_dict() != hits[0].to_dict():
                 raise ShardingError(
                     f"{fqn}: matches contract {earlier[2].pattern!r} from the top-level model and "
                     f"{hits[0].pattern!r} from its nested model at {prefix!r}; make the plan's patterns disjoint"

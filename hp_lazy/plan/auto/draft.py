@@ -15,10 +15,12 @@ from hp_lazy.plan.resolve import ModuleFacts, forward_params
 
 LINEAR = "torch.nn.Linear"
 EMBEDDING = "torch.nn.Embedding"
-Kind = Literal["boundary", "leaf", "embedding", "experts_tp", "tp_experts", "experts", "attention", "container"]
+Kind = Literal["boundary", "leaf", "embedding", "experts_tp", "tp_experts", "experts", "attention", "container",
+               "whole_sequence"]
 """What made an entry: a tp boundary around a colwise -> rowwise pair, a per-Linear leaf, a
 vocab-parallel embedding, 5.24's experts-TP, experts split by expert over tp, experts under ep,
-a cp op alone on an attention module, a sequence-parallel container."""
+a cp op alone on an attention module, a sequence-parallel container, a module holding leaves
+that sequence parallel runs on the whole sequence."""
 
 
 @dataclass

@@ -8,14 +8,28 @@ way in, gathers it on the way out and sums the replicated norms' gradients over 
 Experts split by expert over tp take every tp rank's rows: their inputs are gathered along the
 rows and their output reduce-scattered back (:func:`_token_sharded`).
 
-What cannot run on sequence-cut activations is refused, naming the entry: a per-Linear
-gather/split inside a layer and 5.24's experts-TP.
+A per-Linear gather or split inside a layer (``colwise_gather_output`` / ``rowwise_split_input``:
+Phi-3's fused ``qkv_proj``, Qwen3.5's and Qwen3-Next's Gated DeltaNet projections) needs every
+feature of every token, so the module holding it runs on the whole sequence, as it does under tp
+alone (:func:`_whole_sequence`): its input is all-gathered along the sequence (``x: S(1) -> R``, a
+contract that shards nothing), its leaves keep their tp contracts, and its output is cut back to
+this rank's piece (``output: R -> S(1)``). Where its forward returns one leaf's output as it is,
+that leaf hands over this rank's piece itself: a reduce-scatter instead of an all-reduce for a
+rowwise leaf, an all-to-all instead of an all-gather for a colwise one. Leaves outside the layer
+stack (a vision tower's patch embedding, a projector, the head) see whole values and keep tp's
+contracts.
+
+What cannot run on sequence-cut activations is refused, naming the entry: 5.24's experts-TP, and a
+leaf whose enclosing module is itself a boundary slot or not one class.
 """
 
 from __future__ import annotations
 
+import ast
+
 from hp_lazy.plan.auto.draft import Draft, Entry
 from hp_lazy.plan.auto.rules import Rule
+from hp_lazy.plan.resolve import resolve_pattern
 
 CONTAINER_BODY = {
     "in_src": {"input": {"tp": "R"}}, "in_dst": {"input": {"tp": "S(1)"}},
@@ -29,24 +43,96 @@ REFUSED = {
 
 def apply(draft: Draft) -> None:
     for entry in list(draft.entries.values()):
-        rule = entry.rule
-        if rule is None:
-            continue
-        if entry.kind in REFUSED:
-            draft.fail(rule, REFUSED[entry.kind])
-        if entry.kind == "leaf" and not rule.head:
-            draft.fail(rule, "puts a per-Linear gather/split inside a layer, which sequence_parallel cannot wrap")
-    for entry in list(draft.entries.values()):
-        if entry.kind == "boundary":
-            assert entry.rule is not None and entry.cls is not None
+        if entry.rule is not None and entry.kind in REFUSED:
+            draft.fail(entry.rule, REFUSED[entry.kind])
+    regions = _whole_sequence(draft)
+    for pattern, entry in list(draft.entries.items()):
+        if entry.kind == "boundary" and entry.rule is not None and _in_layers(entry.rule) \
+                and not _inside(pattern, regions):
+            assert entry.cls is not None
             x = draft.input_key(entry.rule, entry.cls)
             entry.body["in_src"][x] = {"tp": "S(1)"}
             entry.body["out_dst"]["output"] = {"tp": "S(1)"}
             _container(draft, entry.rule)
     stacks = [pattern for pattern, entry in draft.entries.items() if entry.kind == "container"]
     for pattern, entry in draft.entries.items():
-        if entry.kind == "tp_experts" and any(pattern.startswith(stack + ".") for stack in stacks):
+        if entry.kind == "tp_experts" and _inside(pattern, stacks) and not _inside(pattern, regions):
             _token_sharded(entry)  # experts outside any split stack (GPT-OSS: no boundary but them) stay tp's
+
+
+def _inside(pattern: str, outer: list[str]) -> bool:
+    return any(pattern.startswith(o + ".") for o in outer)
+
+
+def _whole_sequence(draft: Draft) -> list[str]:
+    """The modules inside the layers that hold per-Linear leaves, each run on the whole sequence
+    (module docstring): pattern -> a contract that gathers its input along the sequence and cuts
+    its output back, shards nothing, and lets the leaf its forward returns as it is leave as
+    this rank's piece. Their patterns, for the presets after."""
+    held: dict[str, list[tuple[str, Entry]]] = {}
+    for pattern, entry in draft.entries.items():
+        rule = entry.rule
+        if entry.kind == "leaf" and rule is not None and not rule.head and _in_layers(rule):
+            parent = rule.key.rpartition(".")[0]
+            if parent.rpartition(".")[2] in ("*", "") or parent.rpartition(".")[2].isdigit():
+                draft.fail(rule, "puts a per-Linear gather/split straight under a layer, which sequence_parallel "
+                           "would have to run whole; plan the layer's projections as colwise -> rowwise pairs")
+            held.setdefault(rule.prefix + parent, []).append((pattern, entry))
+    for region, leaves in held.items():
+        rule = leaves[0][1].rule
+        assert rule is not None
+        parent = rule.key.rpartition(".")[0]
+        if region in draft.entries:
+            draft.fail(rule, f"sits in {parent!r}, which sequence_parallel would run on the whole sequence, but "
+                       f"{parent!r} is also a tp boundary ({draft.entries[region].owner}) in some layers; a slot runs "
+                       "either split or whole: plan the leaves' module as a colwise -> rowwise pair")
+        names = draft.facts.resolve(rule.base, parent)
+        if len(names) != 1:
+            draft.fail(rule, f"sits in {parent!r}, which sequence_parallel runs on the whole sequence as one module "
+                       f"class, but the slot holds {sorted(names) or 'no class'} statically")
+        cls = next(iter(names))
+        if any(found - {cls} for found in resolve_pattern(draft.facts, region).values()):
+            draft.classes[region] = cls  # a vision tower's layers.*.self_attn is another class
+        x = draft.input_key(rule, cls)
+        returned = _returned_child(draft, cls)
+        out = "R"
+        for _, entry in leaves:
+            if entry.rule is not None and entry.rule.key.rpartition(".")[2] == returned:
+                entry.body["out_dst"]["output"] = {"tp": "S(1)"}
+                out = "S(1)"
+        body = {"in_src": {x: {"tp": "S(1)"}}, "in_dst": {x: {"tp": "R"}},
+                "out_src": {"output": {"tp": out}}, "out_dst": {"output": {"tp": "S(1)"}}}
+        draft.add(region, Entry(body, rule.owner, "whole_sequence", rule, cls))
+        _container(draft, rule)
+    return list(held)
+
+
+def _in_layers(rule: Rule) -> bool:
+    return any(s == "*" or s.isdigit() for s in rule.key.split("."))
+
+
+def _returned_child(draft: Draft, cls: str) -> str | None:
+    """The child whose output ``cls``'s forward returns as it is (alone, or first of a tuple):
+    ``x = self.o_proj(x); return x, w`` or ``return self.o_proj(x), w``. Read from the forward's
+    top-level statements: the returned name's last binding must be that call."""
+    forward = draft.facts.forward(cls)
+    if forward is None or not forward.body or not isinstance(forward.body[-1], ast.Return):
+        return None
+    value = forward.body[-1].value
+    first = value.elts[0] if isinstance(value, ast.Tuple) and value.elts else value
+    if isinstance(first, ast.Name):
+        bound = [s for s in forward.body[:-1] if _binds(s, first.id)]
+        last = bound[-1] if bound else None
+        plain = isinstance(last, ast.Assign) and len(last.targets) == 1 and isinstance(last.targets[0], ast.Name)
+        first = last.value if plain and isinstance(last, ast.Assign) else None
+    if isinstance(first, ast.Call) and isinstance(first.func, ast.Attribute) \
+            and isinstance(first.func.value, ast.Name) and first.func.value.id == "self":
+        return first.func.attr
+    return None
+
+
+def _binds(statement: ast.stmt, name: str) -> bool:
+    return any(isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Store) for n in ast.walk(statement))
 
 
 def _token_sharded(entry: Entry) -> None:

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from hp_lazy.errors import ShardingError
-from hp_lazy.names import SEQUENCE_CHECKED, SEQUENCE_GATHERED, SEQUENCE_INPUTS, SEQUENCE_TOKENS
+from hp_lazy.names import SEQUENCE_CHECKED, SEQUENCE_GATHERED, SEQUENCE_INPUTS, SEQUENCE_RUNNING, SEQUENCE_TOKENS
 from hp_lazy.plan.placement import Shard
 from hp_lazy.runtime.comm import pairs, wire
 from hp_lazy.runtime.leaves import own_forward
@@ -42,6 +42,42 @@ from hp_lazy.runtime.mesh import Group
 from hp_lazy.runtime.sp.mixers import mixes_tokens, splits_sequence
 from hp_lazy.runtime.sp.stack import kind_of, positional, stacked_dim
 from hp_lazy.runtime.style import BindContext
+
+
+def refuse_outside_calls(ctx: BindContext) -> None:
+    """A contract outside every sequence-split stack (a vision tower's projector, a model-level module)
+    takes whole values. A layer that calls one itself would hand it this rank's piece of the sequence,
+    which it would read as the whole: such a call is refused by name, on every rank at once (the
+    flag is the stack's own state, the same on every tp rank)."""
+    stacks = [(f, s) for f, s, c in ctx.bound if isinstance(s, nn.ModuleList) and splits_sequence(c)]
+    family = type(ctx.root).__qualname__
+    if stacks:
+        ctx.root.register_forward_pre_hook(_reset([s for _, s in stacks]))
+    for fqn, module, contract in ctx.bound if stacks else ():
+        inside = any(fqn == f or fqn.startswith(f + ".") for f, _ in stacks)
+        if not inside and not any(isinstance(contract.placement("in_src", n, "tp"), Shard) for n in contract.in_src):
+            module.register_forward_pre_hook(_whole_only(fqn, family, [f for f, _ in stacks], [s for _, s in stacks]))
+
+
+def _reset(stacks: list[nn.Module]) -> Callable[..., None]:
+    """Each forward of the root starts outside its stacks (one that raised inside a stack left its flag set)."""
+    def hook(module: nn.Module, args: tuple) -> None:
+        for stack in stacks:
+            setattr(stack, SEQUENCE_RUNNING, False)
+
+    return hook
+
+
+def _whole_only(fqn: str, family: str, names: list[str], stacks: list[nn.Module]) -> Callable[..., None]:
+    def hook(module: nn.Module, args: tuple) -> None:
+        if any(stack.__dict__.get(SEQUENCE_RUNNING) for stack in stacks):
+            raise ShardingError(
+                f"{fqn} ({family}): its contract lies outside the sequence-parallel layer stack {names} and takes "
+                "whole values, but a layer calls it while the stack runs, with this rank's piece of the sequence; "
+                "plan it inside the layers, or train this family without sequence_parallel"
+            )
+
+    return hook
 
 
 def cut_layer_inputs(ctx: BindContext) -> None:

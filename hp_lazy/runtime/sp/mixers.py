@@ -14,7 +14,11 @@ whole output and the whole gradient of its parameters, so those are left out of 
 partial sums over tp (:attr:`BindContext.whole_sequence`). Per module: one all-gather of this
 rank's ``[B, S / tp, H]`` forward and one backward, what a boundary's entry and exit move.
 
-Found by what the module's forward calls: transformers' attention interface, or a recurrent
+A module the plan itself runs on the whole sequence (one holding per-Linear leaves:
+:mod:`hp_lazy.plan.auto.sp`) gathers and cuts in its own contract; its parameters that no
+contract inside it shards see the whole sequence on every rank too (:func:`planned_whole`).
+
+Mixers are found by what the module's forward calls: transformers' attention interface, or a recurrent
 kernel :mod:`hp_lazy.runtime.cp.recurrent` knows (its causal convolution with the delta rules,
 Mamba2's or Mamba1's scan). A layer whose ``config.layer_types`` kind is neither attention nor
 token-wise and in which none was found (MiniMax's lightning attention), or a ``Conv1d`` outside
@@ -47,6 +51,31 @@ def splits_sequence(contract: Contract) -> bool:
     return any(isinstance(axes.get("tp"), Shard) for axes in contract.in_dst.values())
 
 
+def runs_whole(contract: Contract) -> bool:
+    """A contract that gathers an input cut along the sequence on tp and shards nothing there."""
+    gathers = any(isinstance(contract.placement("in_src", n, "tp"), Shard)
+                  and not isinstance(contract.placement("in_dst", n, "tp"), Shard) for n in contract.in_dst)
+    return gathers and not any(isinstance(p.get("tp"), Shard) for p in contract.params.values())
+
+
+def planned_whole(ctx: BindContext) -> None:
+    """The parameters of the modules the plan runs on the whole sequence inside a sequence-split
+    stack: whole gradients on every rank, left out of the stack's partial sums over tp."""
+    stacks = [f for f, s, c in ctx.bound if isinstance(s, nn.ModuleList) and splits_sequence(c)]
+    whole = [f for f, _, c in ctx.bound if any(f.startswith(s + ".") for s in stacks) and runs_whole(c)]
+    for fqn, module, contract in ctx.bound:
+        if fqn in whole:
+            ctx.whole_sequence.update(id(p) for p in module.parameters())
+        out = contract.placement("out_dst", "output", "tp")
+        cut_in = any(isinstance(contract.placement("in_src", n, "tp"), Shard) for n in contract.in_src)
+        if isinstance(out, Shard) and out.dim != -1 and not cut_in and not any(fqn.startswith(w + ".") for w in whole):
+            raise ShardingError(
+                f"{fqn} ({type(ctx.root).__qualname__}): its contract takes whole values and leaves as {out} on tp, "
+                "this rank's piece of the sequence, which only a module the plan runs on the whole sequence inside a "
+                "sequence-split layer stack returns; here no such module holds it: set out_dst['output'] to 'R' on tp"
+            )
+
+
 def mixes_tokens(module: nn.Module) -> bool:
     return calls_attention(module) or recurrent.supports(module)
 
@@ -54,6 +83,7 @@ def mixes_tokens(module: nn.Module) -> bool:
 def gather_mixers(ctx: BindContext) -> None:
     """Run every token mixer outside the boundaries of a sequence-split stack on the whole sequence
     (module docstring); refuse what mixes tokens and cannot be found as a module."""
+    planned_whole(ctx)
     family = type(ctx.root).__qualname__
     for fqn, stack, contract in ctx.bound:
         if not isinstance(stack, nn.ModuleList) or not splits_sequence(contract):

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from hp_lazy.errors import ShardingError
-from hp_lazy.names import SEQUENCE_DIM, SEQUENCE_TOKENS
+from hp_lazy.names import SEQUENCE_DIM, SEQUENCE_RUNNING, SEQUENCE_TOKENS
 from hp_lazy.plan.model import Contract
 from hp_lazy.plan.placement import Shard
 from hp_lazy.runtime.binding import Binding
@@ -52,6 +52,7 @@ def _stack_entry(binding: Binding, stack: nn.ModuleList) -> Callable[..., tuple[
         if isinstance(x, torch.Tensor) and x.dim() >= 3:  # tokens this rank holds: batch x its piece
             seq = 1 if stacked is None else stacked
             setattr(stack, SEQUENCE_TOKENS, x.shape[seq - 1] * x.shape[seq])
+        setattr(stack, SEQUENCE_RUNNING, True)
         if key is None:
             return (x, *args[1:]), kwargs
         kwargs[key] = x
@@ -62,6 +63,7 @@ def _stack_entry(binding: Binding, stack: nn.ModuleList) -> Callable[..., tuple[
 
 def _stack_exit(binding: Binding, stack: nn.ModuleList) -> Callable[..., Any]:
     def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        setattr(stack, SEQUENCE_RUNNING, False)
         first = output[0] if isinstance(output, tuple) else output
         stacked = _stacked(binding, stack, first, module, args, kwargs, binding.groups["tp"].size)
         if stacked is None:

@@ -118,8 +118,8 @@ class TensorParallelStyle:
         for fqn, bound, contract in ctx.bound:
             module = base_of(bound)  # a head PEFT wrapped
             out = contract.out_dst.get("output", {}).get("tp")
-            if not isinstance(module, nn.Linear) or not isinstance(out, Shard):
-                continue
+            if not isinstance(module, nn.Linear) or not isinstance(out, Shard) or out.dim != -1:
+                continue  # S(1): this rank's piece of the sequence, which a module run whole returns (plan.auto.sp)
             get_head = getattr(ctx.root, "get_output_embeddings", None)
             head = get_head() if callable(get_head) else None
             if head is not None and base_of(head) is not module:
@@ -128,7 +128,7 @@ class TensorParallelStyle:
                     "boundary, but only the model's head may leave its logits vocab-sharded (the vocab-parallel loss "
                     f"reads them); the code after {fqn} reads a whole value: set out_dst['output'] to 'R' on tp"
                 )
-            if out.dim != -1 or not hasattr(ctx.root, "loss_function"):
+            if not hasattr(ctx.root, "loss_function"):
                 raise ShardingError(
                     f"{fqn}: output {out} on tp keeps logits vocab-sharded, which needs a transformers model "
                     "whose loss_function hp_lazy can replace; use out_dst 'R' (gathered logits) for this model"
