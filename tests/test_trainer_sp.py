@@ -51,3 +51,13 @@ def test_trainer_moe_with_flattened_rows_and_checkpointing(pool: DistPool, tmp_p
     ref = _reference(trainwork.trainer, path, str(tmp_path / "ref"), gradient_checkpointing=True)
     got = pool.run(trainwork.trainer, path, str(tmp_path / "hp"), gradient_checkpointing=True)
     trainwork.compare_trainer(got[0], ref)
+
+
+def test_trainer_attention_run_whole_with_checkpointing(pool: DistPool, refs, tmp_path) -> None:
+    """Phi-3's attention (a gathered fused qkv_proj, a split o_proj) runs on the whole sequence under
+    sequence parallel, its o_proj reduce-scattering the piece back, through the stock Trainer with
+    gradient checkpointing: the recomputed forward gathers and cuts again, in step."""
+    path, _ = refs("phi3")
+    ref = _reference(trainwork.trainer, path, str(tmp_path / "ref"), gradient_checkpointing=True)
+    got = pool.run(trainwork.trainer, path, str(tmp_path / "hp"), gradient_checkpointing=True)
+    trainwork.compare_trainer(got[0], ref)
