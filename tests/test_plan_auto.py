@@ -277,6 +277,12 @@ RETURNS = textwrap.dedent(
             if x.dim() == 2:
                 x = x[None]
             return x
+
+    class Twice(nn.Module):
+        def forward(self, x):
+            y = self.out(x)
+            x = self.out(x + y)
+            return x
     '''
 )
 
@@ -288,7 +294,8 @@ def test_the_output_a_forward_returns_as_it_is() -> None:
     from hp_lazy.plan.resolve import analyze
 
     draft = Draft(analyze(TOY, RETURNS), AutoFlags())
-    assert [sp._returned_child(draft, c) for c in ("Direct", "Named", "Changed", "Branched")] == ["out", "out", None, None]
+    classes = ("Direct", "Named", "Changed", "Branched", "Twice")
+    assert [sp._returned_child(draft, c) for c in classes] == ["out", "out", None, None, None]
 
 
 def test_moe_experts_are_split_by_expert_over_tp_and_dense_slots_pick_their_class() -> None:

@@ -114,7 +114,8 @@ def _in_layers(rule: Rule) -> bool:
 def _returned_child(draft: Draft, cls: str) -> str | None:
     """The child whose output ``cls``'s forward returns as it is (alone, or first of a tuple):
     ``x = self.o_proj(x); return x, w`` or ``return self.o_proj(x), w``. Read from the forward's
-    top-level statements: the returned name's last binding must be that call."""
+    top-level statements: the returned name's last binding must be that call, the forward's only
+    call of that child (each call's output leaves as the piece)."""
     forward = draft.facts.forward(cls)
     if forward is None or not forward.body or not isinstance(forward.body[-1], ast.Return):
         return None
@@ -125,9 +126,17 @@ def _returned_child(draft: Draft, cls: str) -> str | None:
         last = bound[-1] if bound else None
         plain = isinstance(last, ast.Assign) and len(last.targets) == 1 and isinstance(last.targets[0], ast.Name)
         first = last.value if plain and isinstance(last, ast.Assign) else None
-    if isinstance(first, ast.Call) and isinstance(first.func, ast.Attribute) \
-            and isinstance(first.func.value, ast.Name) and first.func.value.id == "self":
-        return first.func.attr
+    child = _self_call(first) if isinstance(first, ast.expr) else None
+    if child is None or sum(_self_call(n) == child for n in ast.walk(forward)) != 1:
+        return None
+    return child
+
+
+def _self_call(node: ast.AST) -> str | None:
+    """``child`` for a call ``self.child(...)``."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+            and isinstance(node.func.value, ast.Name) and node.func.value.id == "self":
+        return node.func.attr
     return None
 
 
