@@ -39,7 +39,7 @@ from hp_lazy.plan.placement import Shard
 from hp_lazy.runtime.comm import pairs, wire
 from hp_lazy.runtime.leaves import own_forward
 from hp_lazy.runtime.mesh import Group
-from hp_lazy.runtime.sp.mixers import mixes_tokens, splits_sequence
+from hp_lazy.runtime.sp.mixers import mixes_tokens, split_stacks
 from hp_lazy.runtime.sp.stack import kind_of, positional, stacked_dim
 from hp_lazy.runtime.style import BindContext
 
@@ -49,7 +49,7 @@ def refuse_outside_calls(ctx: BindContext) -> None:
     takes whole values. A layer that calls one itself would hand it this rank's piece of the sequence,
     which it would read as the whole: such a call is refused by name, on every rank at once (the
     flag is the stack's own state, the same on every tp rank)."""
-    stacks = [(f, s) for f, s, c in ctx.bound if isinstance(s, nn.ModuleList) and splits_sequence(c)]
+    stacks = [(f, s) for f, s, _ in split_stacks(ctx)]
     family = type(ctx.root).__qualname__
     if stacks:
         ctx.root.register_forward_pre_hook(_reset([s for _, s in stacks]))
@@ -83,9 +83,7 @@ def _whole_only(fqn: str, family: str, names: list[str], stacks: list[nn.Module]
 def cut_layer_inputs(ctx: BindContext) -> None:
     """Cut the per-layer inputs each layer of a sequence-split stack reads outside its boundaries,
     and check the boundaries' own sequence-cut inputs (:func:`_check_rows`)."""
-    for stack_fqn, stack, contract in ctx.bound:
-        if not isinstance(stack, nn.ModuleList) or not splits_sequence(contract):
-            continue
+    for stack_fqn, stack, _ in split_stacks(ctx):
         bounded = {id(b) for _, b, _ in ctx.bound if b is not stack}
         for index, layer in enumerate(stack):
             names = _reads(layer, bounded)

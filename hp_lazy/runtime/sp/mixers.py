@@ -51,6 +51,11 @@ def splits_sequence(contract: Contract) -> bool:
     return any(isinstance(axes.get("tp"), Shard) for axes in contract.in_dst.values())
 
 
+def split_stacks(ctx: BindContext) -> list[tuple[str, nn.ModuleList, Contract]]:
+    """The bound layer stacks that cut the sequence over tp: (FQN, stack, contract)."""
+    return [(f, s, c) for f, s, c in ctx.bound if isinstance(s, nn.ModuleList) and splits_sequence(c)]
+
+
 def runs_whole(contract: Contract) -> bool:
     """A contract that gathers an input cut along the sequence on tp and shards nothing there."""
     gathers = any(isinstance(contract.placement("in_src", n, "tp"), Shard)
@@ -61,7 +66,7 @@ def runs_whole(contract: Contract) -> bool:
 def planned_whole(ctx: BindContext) -> None:
     """The parameters of the modules the plan runs on the whole sequence inside a sequence-split
     stack: whole gradients on every rank, left out of the stack's partial sums over tp."""
-    stacks = [f for f, s, c in ctx.bound if isinstance(s, nn.ModuleList) and splits_sequence(c)]
+    stacks = [f for f, _, _ in split_stacks(ctx)]
     whole = [f for f, _, c in ctx.bound if any(f.startswith(s + ".") for s in stacks) and runs_whole(c)]
     for fqn, module, contract in ctx.bound:
         if fqn in whole:
@@ -85,9 +90,7 @@ def gather_mixers(ctx: BindContext) -> None:
     (module docstring); refuse what mixes tokens and cannot be found as a module."""
     planned_whole(ctx)
     family = type(ctx.root).__qualname__
-    for fqn, stack, contract in ctx.bound:
-        if not isinstance(stack, nn.ModuleList) or not splits_sequence(contract):
-            continue
+    for fqn, stack, _ in split_stacks(ctx):
         group = ctx.groups["tp"]
         bounded = {id(m) for _, b, _ in ctx.bound if b is not stack for m in b.modules()}
         kinds = list(getattr(getattr(ctx.root, "config", None), "layer_types", None) or ())
