@@ -143,10 +143,15 @@ MORE_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
                               "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1,
                               "mamba_d_state": 8, "mamba_d_conv": 4, "mamba_expand": 2, "mamba_dt_rank": 4,
                               "use_mamba_kernels": False}),
-    # MiniMax: layer 0 lightning attention (a linear attention cp does not split), layer 1 full attention + MoE
+    # MiniMax: layer 0 lightning attention (its recurrence in the class's own forward), layer 1 full attention
+    # + MoE
     "minimax": ("MiniMaxConfig", {"head_dim": 8, "num_key_value_heads": 2, "num_local_experts": 4,
                                   "num_experts_per_tok": 2, "block_size": 4,
                                   "layer_types": ["linear_attention", "full_attention"]}),
+    # MiniMax with blocks of 3 (not dividing cp's chunks) and two lightning layers (different decays)
+    "minimax_blocks3": ("MiniMaxConfig", {"head_dim": 8, "num_key_value_heads": 2, "num_local_experts": 4,
+                                          "num_experts_per_tok": 2, "block_size": 3, "num_hidden_layers": 3,
+                                          "layer_types": ["linear_attention", "linear_attention", "full_attention"]}),
     # a Gated DeltaNet hybrid: layer 0 linear attention (conv kernel 4, 2 key / 4 value heads), layer 1
     # gated full attention; a routed MoE with a shared expert
     "qwen3_next": ("Qwen3NextConfig", {"head_dim": 8, "num_key_value_heads": 2, "linear_num_key_heads": 2,

@@ -187,14 +187,27 @@ def test_keys_from_outside_the_split_sequence_are_refused() -> None:
 
 
 def test_recurrent_layers_cp_cannot_split_are_refused_by_layer(ready) -> None:
-    """MiniMax's lightning attention (a linear attention in the class's own forward, no kernel cp
-    wraps): refused at load, naming the layer and what splits."""
+    """A linear-attention layer whose forward hp_lazy does not recognise (MiniMax's lightning
+    attention with :func:`hp_lazy.runtime.cp.lightning.supports` off): refused at load, naming the
+    layer and what splits."""
     pool, root = ready
-    got = pool.run(cpwork.error, models.build("minimax", root), {"input_ids": models.batch()})
+    got = pool.run(error_unrecognised, models.build("minimax", root), {"input_ids": models.batch()})
     assert got == ["ShardingError: MiniMaxForCausalLM: layer 0 is a 'linear_attention' layer, which mixes tokens along "
                    "the sequence outside attention; context parallel splits only ['chunked_attention', "
                    "'full_attention', 'sliding_attention'] layers and recurrent layers on transformers' Gated DeltaNet, "
-                   "KDA, Mamba2, Mamba1 and short-convolution kernels; train without cp"] * 2
+                   "KDA, Mamba2, Mamba1, short-convolution kernels and lightning attention; train without cp"] * 2
+
+
+def error_unrecognised(rank: int, world: int, path: str, data: dict) -> str:
+    """:func:`cpwork.error` with no lightning attention recognised."""
+    from hp_lazy.runtime.cp import lightning
+
+    original = lightning.supports
+    lightning.supports = lambda module: False
+    try:
+        return cpwork.error(rank, world, path, data)
+    finally:
+        lightning.supports = original
 
 
 @pytest.mark.parametrize(("data", "expected"), REFUSED, ids=[e.split(" under")[0][:30] for _, e in REFUSED])

@@ -1,5 +1,6 @@
 """Token mixers outside the tp boundaries under sequence parallel (:mod:`hp_lazy.runtime.sp.mixers`):
-a hybrid's recurrent layers (Bamba's Mamba2, Jamba's Mamba1, LFM3's short convolution) and an
+a hybrid's recurrent layers (Bamba's Mamba2, Jamba's Mamba1, LFM3's short convolution, MiniMax's
+lightning attention) and an
 attention module the plan leaves out (T5Gemma's cross-attention), which transformers' TP plans
 leave whole, run on the whole sequence (gathered in, cut out) while the attention and MLP
 boundaries around them keep the sequence split. One process's loss, logits, every
@@ -26,7 +27,8 @@ def _pool(world: int, pool2: DistPool, pool4: DistPool) -> DistPool:
     return parity.activated(pool2 if world == 2 else pool4, sequence_parallel=True)
 
 
-@pytest.mark.parametrize(("name", "world"), [("bamba", 2), ("bamba", 4), ("jamba", 2), ("lfm3", 2)])
+@pytest.mark.parametrize(("name", "world"), [("bamba", 2), ("bamba", 4), ("jamba", 2), ("lfm3", 2), ("minimax", 2),
+                                            ("minimax", 4)])
 def test_recurrent_layers_match_one_process(name: str, world: int, refs, pool2: DistPool, pool4: DistPool) -> None:
     errors = parity.check_parity(_pool(world, pool2, pool4), refs, name)
     assert len(errors) > 10 and max(errors.values()) <= parity.TOL
@@ -60,14 +62,27 @@ def test_mixers_on_this_rank_piece_fail_parity(refs, pool2: DistPool, pool4: Dis
 
 
 def test_a_layer_kind_with_no_mixer_found_is_refused(refs, pool2: DistPool, pool4: DistPool) -> None:
-    """MiniMax's lightning attention (a 'linear_attention' layer) calls neither transformers'
-    attention nor a recurrent kernel hp_lazy knows."""
+    """A 'linear_attention' layer that calls neither transformers' attention nor a recurrent kernel
+    hp_lazy knows, and is no lightning attention it recognises (MiniMax's, with
+    :func:`hp_lazy.runtime.cp.lightning.supports` off)."""
     path, _ = refs("minimax")
     with pytest.raises(WorkerError) as info:
-        _pool(2, pool2, pool4).run(parity.train, path, models.batch())
+        _pool(2, pool2, pool4).run(train_unrecognised, path, models.batch())
     assert ("ShardingError: model.layers.0 (MiniMaxForCausalLM): layer 0 is a 'linear_attention' layer, which mixes "
             "tokens along the sequence; sequence parallel splits the sequence between the tp boundaries, and hp_lazy "
             "finds no module of this layer it can run on the whole sequence") in str(info.value)
+
+
+def train_unrecognised(rank: int, world: int, path: str, ids) -> dict:
+    """:func:`parity.train` with no lightning attention recognised."""
+    from hp_lazy.runtime.cp import lightning
+
+    original = lightning.supports
+    lightning.supports = lambda module: False
+    try:
+        return parity.train(rank, world, path, ids)
+    finally:
+        lightning.supports = original
 
 
 @pytest.mark.parametrize(("name", "world"), [("phi3", 2), ("phi3", 4), ("qwen3_next", 2), ("qwen3_next", 4)])

@@ -38,12 +38,13 @@ those arguments are refused under cp). Padding: the model zeroes padded tokens' 
 the 2-D mask from ``create_recurrent_attention_mask``, which under cp returns this rank's rows.
 
 A layer is split when every module-level function its forward calls is one of :data:`KNOWN` and
-it calls the convolution (:func:`supports`); anything else (a lightning attention) is refused at
-load. Installed per modeling module (:func:`install`) by wrapping the
-module-level functions the layers call (after any hub kernel took their place) and
-``create_recurrent_attention_mask``; outside a context-parallel forward each wrapper calls
-through unchanged. The fused Mamba2 path (``mamba2_split_conv1d_scan_combined``, a CUDA kernel)
-is declined under cp, so the layer takes its modular path through the wrapped functions.
+it calls the convolution (:func:`supports`); lightning attention, which computes its recurrence in
+the class's own forward, is split by :mod:`.lightning`; anything else is refused at load.
+Installed per modeling module (:func:`install`) by wrapping the module-level functions the layers
+call (after any hub kernel took their place) and ``create_recurrent_attention_mask``; outside a
+context-parallel forward each wrapper calls through unchanged. The fused Mamba2 path
+(``mamba2_split_conv1d_scan_combined``, a CUDA kernel) is declined under cp, so the layer takes its
+modular path through the wrapped functions.
 """
 
 from __future__ import annotations
@@ -116,7 +117,7 @@ def install(modeling: ModuleType) -> None:
             setattr(modeling, name, wrapper)
 
 
-def _chunks(state: CallState, x: torch.Tensor, dim: int) -> list[torch.Tensor]:
+def chunks(state: CallState, x: torch.Tensor, dim: int) -> list[torch.Tensor]:
     """This rank's two chunks of ``x`` along ``dim`` (local order = zigzag runs)."""
     return [x.narrow(dim, local, n) for local, _, n in state.zig.runs()]
 
@@ -174,7 +175,7 @@ def _with_halo(state: CallState, hidden_states: torch.Tensor, halo: int,
     ``halo`` tokens before it prepended (all-gathered tails of the chunks; zeros before the first)."""
     if halo == 0:
         return run(hidden_states)
-    pieces = _chunks(state, hidden_states, 2)  # [B, D, c] each
+    pieces = chunks(state, hidden_states, 2)  # [B, D, c] each
     c = pieces[0].shape[-1]
     keep = min(halo, c)
     tails = gather_to(torch.stack([p[..., c - keep :] for p in pieces]), state.group, 0)  # [2C, B, D, keep]
@@ -208,15 +209,15 @@ def _rule(fn: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]) -> Callab
         b, dk = key.shape[0], key.shape[-1]
         heads, dv = value.shape[2], value.shape[-1]  # the state is per value head (query/key heads may be fewer)
         # both chunks as one batch: [2B, c, H, *]; the value columns [v | 0_Dk] from the state [0 | I]
-        q, k, gg, bb = (torch.cat(_chunks(state, t, 1), dim=0) for t in (query, key, g, beta))
-        v = torch.cat(_chunks(state, value, 1), dim=0)
+        q, k, gg, bb = (torch.cat(chunks(state, t, 1), dim=0) for t in (query, key, g, beta))
+        v = torch.cat(chunks(state, value, 1), dim=0)
         v = torch.cat([v, v.new_zeros(*v.shape[:-1], dk)], dim=-1)
         eye = torch.eye(dk, dtype=torch.float32, device=value.device).expand(2 * b, heads, dk, dk)
         start = torch.cat([eye.new_zeros(2 * b, heads, dk, dv), eye], dim=-1)
         out, final = fn(q, k, v, g=gg, beta=bb, initial_state=start, output_final_state=True, **kwargs)
         assert final is not None, f"{name} returned no final state with output_final_state=True"
         # per chunk: S_out = A S_in + F  ([2B, H, Dk, Dk], [2B, H, Dk, Dv])
-        s_in = _starts(state, final.float(), final.new_zeros(b, heads, dk, dv, dtype=torch.float32),
+        s_in = starts(state, final.float(), final.new_zeros(b, heads, dk, dv, dtype=torch.float32),
                        lambda m, s: torch.matmul(m[..., dv:], s) + m[..., :dv])
         fixed = out[..., :dv] + torch.einsum("blhk,bhkv->blhv", out[..., dv:].float(), s_in).to(out.dtype)
         return torch.cat(fixed.split(b, dim=0), dim=1), None
@@ -224,7 +225,7 @@ def _rule(fn: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]) -> Callab
     return rule
 
 
-def _starts(state: CallState, final: torch.Tensor, zero: torch.Tensor,
+def starts(state: CallState, final: torch.Tensor, zero: torch.Tensor,
             step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """The state each of this rank's two chunks starts from, ``[2B, ...]``: the chunks' maps
     (``final``, ``[2B, ...]``, both chunks along the batch) all-gathered and composed in sequence
@@ -259,14 +260,14 @@ def _ssd(fn: Callable[..., Any]) -> Callable[..., Any]:
         kwargs.pop("initial_states", None), kwargs.pop("return_final_states", None)
         b, heads, p = hidden_states.shape[0], hidden_states.shape[2], hidden_states.shape[3]
         n = b_in.shape[-1]
-        x = torch.cat(_chunks(state, hidden_states, 1), dim=0)
+        x = torch.cat(chunks(state, hidden_states, 1), dim=0)
         x = torch.cat([x, x.new_zeros(*x.shape[:-1], n)], dim=-1)  # [2B, c, H, P + N]
-        dt2, b2, c2 = (torch.cat(_chunks(state, t, 1), dim=0) for t in (dt, b_in, c_in))
+        dt2, b2, c2 = (torch.cat(chunks(state, t, 1), dim=0) for t in (dt, b_in, c_in))
         eye = torch.eye(n, dtype=torch.float32, device=x.device).expand(2 * b, heads, n, n)
         start = torch.cat([eye.new_zeros(2 * b, heads, p, n), eye], dim=2)  # [2B, H, P + N, N]
         out, final = fn(x, dt2, a, b2, c2, initial_states=start, return_final_states=True, **kwargs)
         # per chunk: S_out = S_in M + F  (M = final[P:], [N, N]; F = final[:P], [P, N])
-        s_in = _starts(state, final.float(), final.new_zeros(b, heads, p, n, dtype=torch.float32),
+        s_in = starts(state, final.float(), final.new_zeros(b, heads, p, n, dtype=torch.float32),
                        lambda m, s: torch.matmul(s, m[..., p:, :]) + m[..., :p, :])
         fixed = out[..., :p] + torch.einsum("blhn,bhpn->blhp", out[..., p:].float(), s_in).to(out.dtype)
         return torch.cat(fixed.split(b, dim=0), dim=1)
@@ -294,7 +295,7 @@ def _selective(fn: Callable[..., Any]) -> Callable[..., Any]:
                           "the wrapper reads its arguments by name and passes the state between ranks itself")
         gate, bias = kwargs.pop("z", None), kwargs.get("delta_bias")
         b = hidden_states.shape[0]
-        x, step, b2, c2 = (torch.cat(_chunks(state, t, 2), dim=0) for t in (hidden_states, dt, b_in, c_in))
+        x, step, b2, c2 = (torch.cat(chunks(state, t, 2), dim=0) for t in (hidden_states, dt, b_in, c_in))
         out = fn(x, step, a, b2, c2, z=None, **kwargs)
         work = torch.promote_types(x.dtype, torch.float32)  # the kernel's precision: float32, or float64
         step = step.to(work) + (bias.to(work)[:, None] if bias is not None else 0.0)
@@ -303,11 +304,11 @@ def _selective(fn: Callable[..., Any]) -> Callable[..., Any]:
         cum = step.cumsum(-1)  # [2B, D, c]
         final = torch.stack(_blocks(_final, a, cum, step * x.to(work), b2.to(work))).sum(0)  # [2B, D, N]
         n = a.shape[-1]  # per chunk (F, sum dt), [2B, D, N + 1]: P = exp(A sum dt) is made on the receiving rank
-        s_in = _starts(state, torch.cat([final, cum[..., -1:]], dim=-1), final.new_zeros(b, *a.shape),
+        s_in = starts(state, torch.cat([final, cum[..., -1:]], dim=-1), final.new_zeros(b, *a.shape),
                        lambda m, s: (a * m[..., n:]).exp() * s + m[..., :n])
         fixed = out + torch.cat(_blocks(_carried, a, cum, s_in, c2.to(work)), dim=-1).to(out.dtype)
         if gate is not None:
-            fixed = fixed * torch.nn.functional.silu(torch.cat(_chunks(state, gate, 2), dim=0))
+            fixed = fixed * torch.nn.functional.silu(torch.cat(chunks(state, gate, 2), dim=0))
         return torch.cat(fixed.split(b, dim=0), dim=-1)
 
     return selective

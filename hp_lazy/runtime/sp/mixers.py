@@ -18,11 +18,11 @@ A module the plan itself runs on the whole sequence (one holding per-Linear leav
 :mod:`hp_lazy.plan.auto.sp`) gathers and cuts in its own contract; its parameters that no
 contract inside it shards see the whole sequence on every rank too (:func:`planned_whole`).
 
-Mixers are found by what the module's forward calls: transformers' attention interface, or a recurrent
-kernel :mod:`hp_lazy.runtime.cp.recurrent` knows (its causal convolution with the delta rules,
-Mamba2's or Mamba1's scan). A layer whose ``config.layer_types`` kind is neither attention nor
-token-wise and in which none was found (MiniMax's lightning attention), or a ``Conv1d`` outside
-both, is refused by name.
+Mixers are found by what the module's forward calls or reads: transformers' attention interface, a
+recurrent kernel :mod:`hp_lazy.runtime.cp.recurrent` knows (its causal convolution with the delta
+rules, Mamba2's or Mamba1's scan), or a lightning attention (:mod:`hp_lazy.runtime.cp.lightning`,
+MiniMax's). A layer whose ``config.layer_types`` kind is neither attention nor token-wise and in
+which none was found, or a ``Conv1d`` outside both, is refused by name.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from hp_lazy.names import SEQUENCE_GATHERED
 from hp_lazy.plan.model import Contract
 from hp_lazy.plan.placement import Shard
 from hp_lazy.runtime.comm import pairs
-from hp_lazy.runtime.cp import recurrent
+from hp_lazy.runtime.cp import lightning, recurrent
 from hp_lazy.runtime.leaves import calls_attention
 from hp_lazy.runtime.mesh import Group
 from hp_lazy.runtime.style import BindContext
@@ -82,7 +82,7 @@ def planned_whole(ctx: BindContext) -> None:
 
 
 def mixes_tokens(module: nn.Module) -> bool:
-    return calls_attention(module) or recurrent.supports(module)
+    return calls_attention(module) or recurrent.supports(module) or lightning.supports(module)
 
 
 def gather_mixers(ctx: BindContext) -> None:
