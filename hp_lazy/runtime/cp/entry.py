@@ -10,7 +10,9 @@ Per call (:class:`ContextEntry`, run by the bound root's ``install_root`` wrappe
   ``ForCausalLMLoss`` does), the number of valid labels is counted over the whole sequence
   (``num_items_in_batch``, unless the caller passes one), and each rank's loss is its own sum over
   that global count; ``out.loss`` is their sum (all-reduce forward, identity backward): the global
-  loss on every rank, whose backward gives each rank its own part;
+  loss on every rank, whose backward gives each rank its own part; ``out.aux_loss`` likewise (the
+  load-balancing loss made global by :func:`hp_lazy.runtime.ep.aux.install`, each rank's ``1/cp``
+  share of its value, summed);
 - a 2-D ``attention_mask`` becomes the key padding of the masks; without one, and with
   ``use_cache`` off (transformers' condition: it detects packing only without a cache), position
   ids that restart mark packed documents (transformers' detection); the attention and RoPE read
@@ -86,6 +88,8 @@ class ContextEntry:
             cp_state.leave(token)
         if has_labels and getattr(out, "loss", None) is not None:
             out.loss = reduce_from(out.loss, self.group)
+        if isinstance(getattr(out, "aux_loss", None), torch.Tensor):  # each rank's 1/cp share (ep.aux)
+            out.aux_loss = reduce_from(out.aux_loss, self.group)
         return out
 
     def _arguments(self, forward: Callable[..., Any], module: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
@@ -117,9 +121,6 @@ class ContextEntry:
         if values.get("output_attentions"):
             raise self._refuse("output_attentions=True", "the attention weights are never built (each rank holds "
                                "its queries' rows only)", "drop the option")
-        if values.get("output_router_logits"):
-            raise self._refuse("output_router_logits=True", "the router's auxiliary loss would be computed from "
-                               "this rank's tokens only", "drop the option (or set router_aux_loss_coef=0)")
         if values.get("logits_to_keep") not in (None, 0):
             raise self._refuse(f"logits_to_keep={values['logits_to_keep']!r}", "the last tokens live on other ranks",
                                "use logits_to_keep=0 and hp_lazy.gather_sequence(out.logits)")

@@ -109,3 +109,12 @@ def carried(checkpoint: Callable[..., Any]) -> Callable[..., Any]:
 
     checkpointed.hp_carries_cp_state = True  # type: ignore[attr-defined]
     return checkpointed
+
+
+def padding_rows(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """The ``[B, S/C]`` padding mask of this rank's rows inside a context-parallel forward (whose
+    model is called without one: ``mask`` is then None), else ``mask`` as given."""
+    state = current()
+    if state is None:
+        return mask
+    return None if state.key_padding is None else state.key_padding.index_select(1, state.zig.local)

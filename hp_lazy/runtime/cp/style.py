@@ -9,7 +9,8 @@ Bound per model (the walker calls it like every style, :mod:`hp_lazy.runtime.sty
   top-k selection through :mod:`.indexed`;
 - ``finish``: the model's layer types must all be attention (full, sliding, chunked, DSA's indexed) or recurrent layers
   :mod:`.recurrent` splits (Gated DeltaNet, KDA, Mamba2, Mamba1, short convolutions: state passed
-  between ranks; others, lightning attention, mix tokens outside attention and are refused),
+  between ranks) or lightning attention :mod:`.lightning` splits (MiniMax's: its state passed too);
+  others mix tokens outside attention and are refused,
   every attention module of the text stack must
   be one the plan names, the text stack's attention implementation becomes
   :data:`~hp_lazy.runtime.cp.attention.KEY` (a tower with a config of its own — a vision or
@@ -37,8 +38,10 @@ from hp_lazy.errors import ShardingError
 from hp_lazy.names import CP_ENTRY, IMPL
 from hp_lazy.plan.model import Contract
 from hp_lazy.runtime.binding import Binding
-from hp_lazy.runtime.cp import attention, indexed, latent, positions, recurrent, rope
+from hp_lazy.runtime.cp import attention, indexed, latent, lightning, positions, recurrent, rope
 from hp_lazy.runtime.cp.entry import ContextEntry
+from hp_lazy.runtime.cp.state import padding_rows
+from hp_lazy.runtime.ep import aux
 from hp_lazy.runtime.leaves import calls_attention
 from hp_lazy.runtime.style import BindContext
 
@@ -114,17 +117,21 @@ class ContextParallelStyle:
         root, family = ctx.root, type(ctx.root).__qualname__
         config = getattr(root, "config", None)
         mixers = [m for m in root.modules() if recurrent.supports(m)]
-        split = {getattr(m, "layer_idx", None) for m in mixers + self.indexed}  # DSA's: 'indexed_attention' layers
+        linear = [m for m in root.modules() if lightning.supports(m)]
+        # DSA's: 'indexed_attention' layers
+        split = {getattr(m, "layer_idx", None) for m in mixers + self.indexed + linear}
         for i, kind in enumerate(getattr(config, "layer_types", None) or ()):
             if kind not in ATTENTION_LAYERS | TOKENWISE_LAYERS and i not in split:
                 raise ShardingError(
                     f"{family}: layer {i} is a {kind!r} layer, which mixes tokens along the sequence outside "
                     f"attention; context parallel splits only {sorted(ATTENTION_LAYERS)} layers and recurrent "
-                    "layers on transformers' Gated DeltaNet, KDA, Mamba2, Mamba1 and short-convolution kernels; train "
-                    "without cp"
+                    "layers on transformers' Gated DeltaNet, KDA, Mamba2, Mamba1, short-convolution kernels and "
+                    "lightning attention; train without cp"
                 )
-        for modeling in {id(type(m)): sys.modules[type(m).__module__] for m in mixers}.values():
-            recurrent.install(modeling)
+        for modeling in {id(type(m)): sys.modules[type(m).__module__] for m in mixers + linear}.values():
+            recurrent.install(modeling)  # and the recurrent layers' padding mask: this rank's rows
+        for module in linear:
+            lightning.wrap(module)
         unplanned = [
             (name, m) for name, m in root.named_modules()
             if getattr(m, "is_causal", None) is not None and hasattr(m, "config") and calls_attention(m)
@@ -163,6 +170,19 @@ class ContextParallelStyle:
                 f"{family}: its attention modules carry different cp inner ops {sorted(self.kinds)}; use one kind"
             )
         root.__dict__[CP_ENTRY] = ContextEntry(family, ctx.groups["cp"], next(iter(self.kinds)), tuple(towers))
+        _global_aux(ctx)
+
+
+def _global_aux(ctx: BindContext) -> None:
+    """An MoE's load-balancing aux loss over every cp (and dp) rank's rows (:mod:`hp_lazy.runtime.ep.aux`):
+    the router's gradients are summed over cp and averaged over dp."""
+    config = getattr(ctx.root, "config", None)
+    text = getattr(config, "get_text_config", lambda: config)()
+    if not hasattr(text, "output_router_logits"):
+        return
+    cp = ctx.groups["cp"]
+    over = [cp] + ([ctx.mesh.group("dp")] if ctx.mesh.degree("dp") > 1 else [])
+    aux.install(ctx.root, over, ctx.mesh.degree("dp"), padding_rows, under="context parallel", share=cp.size)
 
 
 def _tower(root: nn.Module, fqn: str, config: Any) -> str:

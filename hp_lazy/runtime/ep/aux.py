@@ -12,16 +12,20 @@ the gradients then gives one process's gradient of the global aux loss, and ``ou
 
 Under sequence parallel the tp ranks hold consecutive pieces of every row's sequence, so the
 router logits of a tp rank are its piece's tokens: the counts and the row count are summed over
-tp (and dp), the attention mask is cut to this rank's piece, and the part is not scaled by tp
-(the router's gradients are summed over tp, not averaged). :func:`install` puts the function in
-place or refuses what it cannot replace.
+tp (and dp), the attention mask is cut to this rank's piece (:func:`pieces`), and the part is not
+scaled by tp (the router's gradients are summed over tp, not averaged). Under context parallel
+the cp ranks hold the zigzag rows of every sequence, and the model is called without a mask: the
+mask of this rank's rows comes from the call's state (:func:`hp_lazy.runtime.cp.state.padding_rows`),
+the counts are summed over cp (and dp), and the value returned is the global loss's ``1 / cp``
+share, which the cp entry sums over cp with the model's loss (``out.aux_loss`` too).
+:func:`install` puts the function in place or refuses what it cannot replace.
 """
 
 from __future__ import annotations
 
 import inspect
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -43,10 +47,20 @@ def replaceable(fn: Any) -> bool:
         return False
 
 
-def global_load_balancing(original: Any, over: Sequence[Group], scale: int, sequence: Group | None = None) -> Any:
+Rows = Callable[[torch.Tensor | None], torch.Tensor | None]
+"""The call's ``[B, S]`` attention mask (or None) -> the mask of the tokens this rank routes."""
+
+
+def pieces(group: Group) -> Rows:
+    """Sequence parallel's rows: ``group``'s ranks hold consecutive pieces of each row."""
+    return lambda mask: None if mask is None else mask.chunk(group.size, dim=1)[group.rank]
+
+
+def global_load_balancing(original: Any, over: Sequence[Group], scale: int, local_mask: Rows | None = None,
+                          share: int = 1) -> Any:
     """transformers' load-balancing loss over the rows of every rank of the groups ``over`` (each
-    rank holding other rows), its gradient scaled by ``scale`` (the dp average to undo);
-    ``sequence``: the group whose ranks hold consecutive pieces of each row (sequence parallel)."""
+    rank holding other rows), its gradient scaled by ``scale`` (the dp average to undo); ``local_mask``:
+    the mask of this rank's tokens from the call's; the value returned is the global loss ``/ share``."""
 
     def load_balancing_loss_func(
         gate_logits: Any, num_experts: int, top_k: int = 2, attention_mask: torch.Tensor | None = None
@@ -57,8 +71,8 @@ def global_load_balancing(original: Any, over: Sequence[Group], scale: int, sequ
         counts = torch.zeros(num_experts, dtype=torch.float32, device=device)
         probs_sum = torch.zeros(num_experts, dtype=torch.float32, device=device)
         rows = torch.zeros((), dtype=torch.float32, device=device)
-        if attention_mask is not None and sequence is not None:
-            attention_mask = attention_mask.chunk(sequence.size, dim=1)[sequence.rank]
+        if local_mask is not None:
+            attention_mask = local_mask(attention_mask)
         mask = None if attention_mask is None else attention_mask.reshape(-1).to(device, torch.float32)
         for layer in gate_logits:
             probs = torch.softmax(layer.to(device), dim=-1)
@@ -82,14 +96,14 @@ def global_load_balancing(original: Any, over: Sequence[Group], scale: int, sequ
         for group in over:
             value = wire.all_reduce(value, group, "forward")
         scaled = mine * scale
-        return scaled + (value.reshape(()) - scaled).detach()
+        return scaled + (value.reshape(()) / share - scaled).detach()
 
     load_balancing_loss_func.hp_original = original  # type: ignore[attr-defined]
     return load_balancing_loss_func
 
 
-def install(root: nn.Module, over: Sequence[Group], scale: int, sequence: Group | None, *, under: str,
-            cannot: str | None = None) -> None:
+def install(root: nn.Module, over: Sequence[Group], scale: int, local_mask: Rows | None = None, *, under: str,
+            cannot: str | None = None, share: int = 1) -> None:
     """Make the aux loss of ``root``'s modeling module global (:func:`global_load_balancing`). Where
     its function is not transformers' standard one, or ``cannot`` says why it may not be replaced,
     ``output_router_logits`` is refused (``under``: the parallelism that gives each rank its own rows)."""
@@ -99,7 +113,7 @@ def install(root: nn.Module, over: Sequence[Group], scale: int, sequence: Group 
     if getattr(current, "hp_original", None) is not None:
         return  # made global by an earlier bind
     if cannot is None and current is not None and replaceable(current):
-        setattr(module, NAME, global_load_balancing(current, over, scale, sequence))
+        setattr(module, NAME, global_load_balancing(current, over, scale, local_mask, share))
         return
     why = cannot or ("it has none" if current is None else "not transformers' standard one")
     text = (

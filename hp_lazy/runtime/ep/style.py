@@ -236,6 +236,6 @@ class ExpertParallelStyle:
     def finish(self, ctx: BindContext) -> None:
         if not self.experts:
             return
-        cannot = "under context parallel" if ctx.mesh.degree("cp") > 1 else None
-        aux.install(ctx.root, [ctx.mesh.group("dp")], ctx.mesh.degree("dp"), None, under="expert parallel",
-                    cannot=cannot)
+        if ctx.mesh.degree("cp") > 1:
+            return  # context parallel's finish makes it global over cp and dp
+        aux.install(ctx.root, [ctx.mesh.group("dp")], ctx.mesh.degree("dp"), under="expert parallel")

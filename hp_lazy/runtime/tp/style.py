@@ -113,7 +113,7 @@ class TensorParallelStyle:
         group = ctx.groups["tp"]
         if any(_is_region(c) and _token_sharded(c) for _, _, c in ctx.bound):
             over = [group] + ([ctx.mesh.group("dp")] if ctx.mesh.degree("dp") > 1 else [])
-            aux.install(ctx.root, over, ctx.mesh.degree("dp"), group, under="sequence parallel",
+            aux.install(ctx.root, over, ctx.mesh.degree("dp"), aux.pieces(group), under="sequence parallel",
                         cannot="under context parallel" if ctx.mesh.degree("cp") > 1 else None)
         for fqn, bound, contract in ctx.bound:
             module = base_of(bound)  # a head PEFT wrapped
