@@ -1,10 +1,14 @@
 """Data parallel alone (tp=1 at world 4, dp=4): hp_lazy's own bucketed dp average against one
-process over the global batch, with gradient accumulation; and multi-axis parameter layouts
-(one weight cut on ep and on tp) that round-trip through full_state_dict."""
+process over the global batch, with gradient accumulation; an MoE's load-balancing aux loss over
+the global batch (each rank routes its own rows; transformers' loss on them is the negative
+control); and multi-axis parameter layouts (one weight cut on ep and on tp) that round-trip
+through full_state_dict."""
 
 from __future__ import annotations
 
 import dpwork
+import epwork
+import models
 import parity
 import pytest
 import torch
@@ -23,6 +27,22 @@ def test_dp4_own_reduction(pool4: DistPool, refs) -> None:
 def test_dp4_accumulation_adamw(pool4: DistPool, refs) -> None:
     parity.activated(pool4, tp=1)
     dpwork.check(pool4, refs, "qwen3", "hp", dp=4, kind="adamw", micro=2)
+
+
+def test_dp4_moe_aux_loss_is_global(pool4: DistPool, tmp_path_factory) -> None:
+    """``output_router_logits=True`` at dp=4: ``out.aux_loss`` and ``out.loss`` one process's on
+    every rank, every gradient and 3 SGD+wd steps (one row per rank, 12 labels each)."""
+    parity.activated(pool4, tp=1)
+    epwork.check_aux(pool4, models.build("qwen3_moe", str(tmp_path_factory.mktemp("moe"))), epwork.batch(rows=4))
+
+
+def test_dp4_local_aux_loss_fails_parity(pool4: DistPool, tmp_path_factory) -> None:
+    parity.activated(pool4, tp=1)
+    path = models.build("qwen3_moe", str(tmp_path_factory.mktemp("moe")))
+    got, ref = epwork.local_aux(pool4, path, epwork.batch(rows=4))
+    assert models.rel_err(got["aux"], ref["aux"]) > 1e-4
+    with pytest.raises(AssertionError, match=r"relative errors above .*'grad model.layers.\d.mlp.gate.weight'"):
+        parity.compare(got, ref)
 
 
 def _multi_axis(rank: int, world: int, placements: dict[str, str]) -> dict:

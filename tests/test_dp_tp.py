@@ -7,6 +7,8 @@ over tp, which must compose with the dp reduction."""
 from __future__ import annotations
 
 import dpwork
+import epwork
+import models
 import parity
 import pytest
 import torch
@@ -48,6 +50,13 @@ def test_hp_lazy_owns_dp(pool4: DistPool, refs, name: str) -> None:
     buckets = got[0]["buckets"]
     assert buckets == (2 if name == "qwen3" else 1)
     assert [g["backward"] for g in got] == [{"all_reduce": 5 + buckets}] * 4
+
+
+def test_moe_aux_loss_is_global_over_dp(pool4: DistPool, tmp_path_factory) -> None:
+    """``output_router_logits=True``: tp peers route the same rows, dp ranks different ones; the
+    aux loss is one process's over the global batch (counts all-reduced over dp)."""
+    parity.activated(pool4, tp=2)
+    epwork.check_aux(pool4, models.build("qwen3_moe", str(tmp_path_factory.mktemp("moe"))), epwork.batch())
 
 
 def test_hp_lazy_owns_dp_adamw_with_accumulation(pool4: DistPool, refs) -> None:

@@ -28,6 +28,7 @@ from hp_lazy.plan.placement import Partial, Shard
 from hp_lazy.runtime import adapters, hub_kernels, leaves, registry
 from hp_lazy.runtime.binding import Binding, compile_ops
 from hp_lazy.runtime.cp.style import ContextParallelStyle
+from hp_lazy.runtime.ep import aux
 from hp_lazy.runtime.ep.style import ExpertParallelStyle
 from hp_lazy.runtime.layout import LayoutTable, ParamLayout, plan_layout, shard_in_place
 from hp_lazy.runtime.mesh import Group, Mesh, get_mesh
@@ -162,6 +163,7 @@ def _bind_root(
         if hasattr(type(module), FORM) and id(module) not in in_contract:
             setattr(module, BINDING, None)  # a lowered class, used here outside any contract
     if all(group.size == 1 for group in groups.values()):
+        _data_parallel_aux(ctx)
         return ctx, {}  # nothing is lowered at degree 1 (identity forms): the model runs as it is
     _refuse_unplanned_towers(root, plan, groups)
     if not ctx.bound:
@@ -187,10 +189,18 @@ def _bind_root(
     for style in styles:
         style.gradients(ctx)
         style.finish(ctx)
+    _data_parallel_aux(ctx)
     _alias_tied(ctx)
     _check_shards_covered(ctx)
     _warn_unsplit_layers(ctx)
     return ctx, used
+
+
+def _data_parallel_aux(ctx: BindContext) -> None:
+    """An MoE's load-balancing aux loss over every dp rank's rows where no style made it global
+    over the ranks it splits rows between (dp alone, dp x tp): :func:`hp_lazy.runtime.ep.aux.install`."""
+    if ctx.mesh.degree("dp") > 1 and aux.routes(ctx.root):
+        aux.install(ctx.root, [ctx.mesh.group("dp")], ctx.mesh.degree("dp"), under="data parallel")
 
 
 def _refuse_unplanned_towers(root: nn.Module, plan: ModulePlan, groups: dict[str, Group]) -> None:

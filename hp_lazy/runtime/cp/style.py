@@ -176,9 +176,7 @@ class ContextParallelStyle:
 def _global_aux(ctx: BindContext) -> None:
     """An MoE's load-balancing aux loss over every cp (and dp) rank's rows (:mod:`hp_lazy.runtime.ep.aux`):
     the router's gradients are summed over cp and averaged over dp."""
-    config = getattr(ctx.root, "config", None)
-    text = getattr(config, "get_text_config", lambda: config)()
-    if not hasattr(text, "output_router_logits"):
+    if not aux.routes(ctx.root):
         return
     cp = ctx.groups["cp"]
     over = [cp] + ([ctx.mesh.group("dp")] if ctx.mesh.degree("dp") > 1 else [])

@@ -18,7 +18,10 @@ the cp ranks hold the zigzag rows of every sequence, and the model is called wit
 mask of this rank's rows comes from the call's state (:func:`hp_lazy.runtime.cp.state.padding_rows`),
 the counts are summed over cp (and dp), and the value returned is the global loss's ``1 / cp``
 share, which the cp entry sums over cp with the model's loss (``out.aux_loss`` too).
-:func:`install` puts the function in place or refuses what it cannot replace.
+:func:`install` puts the function in place or refuses what it cannot replace. Where no
+parallelism gave ranks pieces of the rows (dp alone, dp x tp), the bind makes it global over dp
+the same way (:mod:`hp_lazy.runtime.bind`): on one dp rank's rows transformers' loss is not one
+process's over the global batch either.
 """
 
 from __future__ import annotations
@@ -100,6 +103,12 @@ def global_load_balancing(original: Any, over: Sequence[Group], scale: int, loca
 
     load_balancing_loss_func.hp_original = original  # type: ignore[attr-defined]
     return load_balancing_loss_func
+
+
+def routes(root: nn.Module) -> bool:
+    """``root``'s (text) config has ``output_router_logits``: an MoE whose aux loss may be turned on."""
+    config = getattr(root, "config", None)
+    return hasattr(getattr(config, "get_text_config", lambda: config)(), "output_router_logits")
 
 
 def install(root: nn.Module, over: Sequence[Group], scale: int, local_mask: Rows | None = None, *, under: str,
