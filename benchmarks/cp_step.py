@@ -59,15 +59,16 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--batches", default="plain", help="comma list of plain, packed, padded")
-    p.add_argument("--model", default="llama", choices=("llama", "qwen3_next", "jamba"),
+    p.add_argument("--model", default="llama", choices=("llama", "qwen3_next", "jamba", "minimax"),
                    help="qwen3_next: a Gated DeltaNet hybrid (layer 0 linear attention, layer 1 full attention); "
-                        "jamba: a Mamba1 hybrid (layer 0 Mamba, layer 1 attention)")
+                        "jamba: a Mamba1 hybrid (layer 0 Mamba, layer 1 attention); minimax: a lightning "
+                        "attention hybrid (layer 0 lightning attention, layer 1 full attention)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, one repeat of one step (overrides the sizes)")
     args = p.parse_args(argv)
     if args.smoke:
         args.seqs, args.hidden, args.layers, args.steps, args.repeats = "64", 32, 1, 1, 1
         args.batches = "padded"  # masked tiles and skipped ones (packed batches: tests/test_cp*.py)
-        if args.model in ("qwen3_next", "jamba"):
+        if args.model in ("qwen3_next", "jamba", "minimax"):
             args.layers, args.batches = 2, "padded"  # both layer kinds; the recurrent layers' padding mask
     if set(args.batches.split(",")) - set(BATCHES):
         p.error(f"--batches: {args.batches!r}: each must be one of {', '.join(BATCHES)}")
@@ -75,7 +76,8 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 MODELS = {"llama": "Llama", "qwen3_next": "Qwen3-Next-style hybrid (Gated DeltaNet + attention, dense MLPs)",
-          "jamba": "Jamba-style hybrid (Mamba1 + attention, dense MLPs)"}
+          "jamba": "Jamba-style hybrid (Mamba1 + attention, dense MLPs)",
+          "minimax": "MiniMax-style hybrid (lightning attention + attention, one expert: dense MLPs)"}
 
 
 def _build(args: argparse.Namespace, root: str, seq: int) -> str:
@@ -98,6 +100,12 @@ def _build(args: argparse.Namespace, root: str, seq: int) -> str:
         config = transformers.JambaConfig(
             **common, num_experts=1, attn_layer_period=2, attn_layer_offset=1, mamba_d_state=16, mamba_d_conv=4,
             mamba_expand=2, mamba_dt_rank=max(1, args.hidden // 16),
+        )
+    elif args.model == "minimax":  # one expert (dense MLPs): the step is the mixers' (lightning, attention)
+        config = transformers.MiniMaxConfig(
+            **common, head_dim=args.hidden // args.heads, num_local_experts=1, num_experts_per_tok=1,
+            block_size=min(256, seq // (2 * args.world)),
+            layer_types=["linear_attention" if i % 2 == 0 else "full_attention" for i in range(args.layers)],
         )
     else:
         config = transformers.LlamaConfig(**common)

@@ -98,9 +98,9 @@ def test_ep_step_ep_x_tp_smoke(tmp_path: Path) -> None:
     assert float(rows["ep x tp"][3]) <= 1e-4 and "all_to_all" in rows["ep x tp"][4], rows
 
 
-@pytest.mark.parametrize("model", ["qwen3_next", "jamba"])
+@pytest.mark.parametrize("model", ["qwen3_next", "jamba", "minimax"])
 def test_cp_step_hybrid_smoke(tmp_path: Path, model: str) -> None:
-    """The hybrid rows (Gated DeltaNet or Mamba1 layers split with their state passed)."""
+    """The hybrid rows (Gated DeltaNet, Mamba1 or lightning attention layers split with their state passed)."""
     rows = _rows(_run("cp_step.py", tmp_path, "--model", model))
     assert sorted(r[2] for r in rows) == ["cp", "cp ulysses", "one process"], rows
     assert all(re.fullmatch(r"[\d.]+", r[3]) for r in rows), rows

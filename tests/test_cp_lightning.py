@@ -34,9 +34,9 @@ def _ready(pool: DistPool, cp: int, mode: str = "allgather") -> DistPool:
 
 def lightning_layer(rank: int, world: int, seq: int, block_size: int, padded: bool = False) -> dict[str, Any]:
     """One ``MiniMaxLightningAttention`` (float64) on this rank's zigzag rows through
-    :func:`hp_lazy.runtime.cp.lightning.wrap` against one call over the whole sequence (each rank
-    computes that too): output rows, the input's and every parameter's gradient (summed over the
-    ranks) and the bytes gathered."""
+    :func:`hp_lazy.runtime.cp.lightning.wrap` (a deep copy of the split module) against one call
+    over the whole sequence (each rank computes that too): output rows, the input's and every
+    parameter's gradient (summed over the ranks) and the bytes gathered."""
     import copy
 
     import torch
@@ -53,7 +53,9 @@ def lightning_layer(rank: int, world: int, seq: int, block_size: int, padded: bo
                                         layer_types=["linear_attention", "full_attention"])
     torch.manual_seed(0)
     whole = modeling_minimax.MiniMaxLightningAttention(config, 0).double()
-    mine = copy.deepcopy(whole)
+    split = copy.deepcopy(whole)
+    lightning.wrap(split)  # the class's forward wrapped (whole's calls through), split's hooks in place
+    mine = copy.deepcopy(split)  # a copy made after: its own hooks and parameters (a closure would reach split's)
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(BATCH, seq, 32, generator=gen, dtype=torch.float64)
     dout = torch.randn(BATCH, seq, 32, generator=gen, dtype=torch.float64)
@@ -65,7 +67,6 @@ def lightning_layer(rank: int, world: int, seq: int, block_size: int, padded: bo
     ref.backward(dout)
     group = hp_lazy.mesh().group("cp") if world > 1 else Group.solo("cp")
     zig = zigzag(seq, world, rank, x.device)
-    lightning.wrap(mine)
     x_mine = x.index_select(1, zig.local).clone().requires_grad_()
     call = state.CallState(group=group, zig=zig, mode="cp_allgather_kv", positions=torch.arange(seq)[None],
                            docs=None, key_padding=None if mask is None else mask.bool())
@@ -165,3 +166,12 @@ def test_minimax_sft_trainer_with_packing(pool2: DistPool, root: str, tmp_path) 
     got = _ready(pool2, 2).run(trlwork.sft, path, str(tmp_path / "hp"), packing=True)
     trlwork.compare(got[0], ref)
     trlwork.compare(got[1], {k: v for k, v in ref.items() if k != "state"})
+
+
+def test_minimax_compiled(pool2: DistPool, root: str) -> None:
+    """``model.compile()`` at cp=2: one process's numbers, and the only graph breaks are cp's own
+    bookkeeping (its call state in a context variable, the entry's padding check); the split adds
+    none (its hooks stay registered; the running call is kept in a list dynamo traces)."""
+    results = cpwork.check(_ready(pool2, 2), models.build("minimax", root), cpwork.batch("padded"), compile="eager")
+    breaks = results[0]["graph_breaks"]
+    assert breaks and all("ContextVar" in reason or "Tensor.item()" in reason for reason in breaks), breaks

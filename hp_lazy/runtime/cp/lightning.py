@@ -10,7 +10,7 @@ that starts from ``S_in`` instead of zeros outputs ``o0_t + (q_t a^t) S_in`` (``
 leaves ``a^c S_in + F``, with ``o0`` its outputs from zeros and ``F = sum_t a^(c - t) k_t^T v_t``.
 
 The class's forward computes the recurrence inline (no module-level kernel to wrap, unlike
-:mod:`.recurrent`), so each planned instance's forward is wrapped (:func:`wrap`) to:
+:mod:`.recurrent`), so :func:`wrap` wraps the class's forward, which, on an instance cp splits:
 
 - run on this rank's two chunks as a batch of ``2B`` (``[B, 2c, D] -> [2B, c, D]``, the 2-D
   padding mask likewise): transformers' block loop gives ``o0`` of each chunk from zeros;
@@ -29,6 +29,7 @@ Outside a context-parallel forward the wrapper calls through unchanged.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import sys
 from collections.abc import Callable
@@ -46,7 +47,9 @@ READS = frozenset({"qkv_proj", "act_fn", "norm", "slope_rate", "query_decay", "k
 """What a lightning attention forward reads off its module (MiniMax's ``MiniMaxLightningAttention``)."""
 MASK_FN = "apply_mask_to_padding_states"
 FLAG = "hp_cp_lightning"
-"""Set on a wrapped instance, so it is wrapped once."""
+"""Set on a split instance (its hooks are in place); other instances of the class call through."""
+WRAPPED = "hp_cp_wrapped"
+"""Set on the class's wrapped forward (its original under it), so a class is wrapped once."""
 
 
 def supports(module: nn.Module) -> bool:
@@ -61,46 +64,64 @@ def supports(module: nn.Module) -> bool:
 
 
 def wrap(module: nn.Module) -> None:
-    """Give ``module`` (an instance) a forward that carries the state between ranks under cp."""
-    if getattr(module, FLAG, False):
-        return
-    module.forward = _carrying(module, module.forward)
-    setattr(module, FLAG, True)
+    """Split ``module`` under cp: its class's forward wrapped (once per class), its activation and
+    norm given the hooks that read q, k, v and add the carried part (once per instance). All of
+    it calls through outside a context-parallel forward; a deep copy of the module keeps working
+    (no closure holds the instance)."""
+    cls = type(module)
+    if not hasattr(cls.forward, WRAPPED):
+        forward = _carrying(cls.forward)
+        setattr(forward, WRAPPED, cls.forward)
+        cls.forward = forward
+    if not getattr(module, FLAG, False):
+        getattr(module, "act_fn").register_forward_hook(_read_qkv)  # noqa: B009 (nn.Module's attribute typing)
+        getattr(module, "norm").register_forward_pre_hook(_add_carried)  # noqa: B009
+        setattr(module, FLAG, True)
 
 
-def _carrying(module: nn.Module, fn: Callable[..., Any]) -> Callable[..., Any]:
+_RUNNING: list[dict[str, Any]] = []
+"""The lightning forwards running under cp, innermost last: each one's module, call state, batch,
+chunked mask and (once its activation ran) masked qkv. A list, not a context variable: dynamo
+traces a list (``torch.compile``)."""
+
+
+def _carrying(fn: Callable[..., Any]) -> Callable[..., Any]:
     signature = inspect.signature(fn)
-    mask_fn = getattr(sys.modules[type(module).__module__], MASK_FN)
 
-    def forward(*args: Any, **kwargs: Any) -> Any:
+    @functools.wraps(fn)
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         state = current()
-        if state is None:
-            return fn(*args, **kwargs)
-        bound = signature.bind(*args, **kwargs)  # no cache: the entry refuses one before any layer runs
+        if state is None or not getattr(self, FLAG, False):
+            return fn(self, *args, **kwargs)
+        bound = signature.bind(self, *args, **kwargs)  # no cache: the entry refuses one before any layer runs
         given = bound.arguments
-        hidden = given["hidden_states"]
-        batch = hidden.shape[0]
+        hidden, mask = given["hidden_states"], given.get("attention_mask")
         given["hidden_states"] = torch.cat(chunks(state, hidden, 1), dim=0)
-        mask = given.get("attention_mask")
         if mask is not None:
             given["attention_mask"] = torch.cat(chunks(state, mask, 1), dim=0)
-        seen: dict[str, torch.Tensor] = {}
-        act_fn, norm = getattr(module, "act_fn"), getattr(module, "norm")  # noqa: B009 (nn.Module's attribute typing)
-        handles = [
-            act_fn.register_forward_hook(lambda _m, _i, out: seen.__setitem__("qkv", out)),
-            norm.register_forward_pre_hook(
-                lambda _m, inputs: (inputs[0] + _carry(module, state, mask_fn(seen.pop("qkv"),
-                                                                              given.get("attention_mask")), batch),
-                                    *inputs[1:])),
-        ]
+        _RUNNING.append({"module": self, "state": state, "batch": hidden.shape[0],
+                         "mask": given.get("attention_mask")})
         try:
             out, *rest = fn(*bound.args, **bound.kwargs)
         finally:
-            for handle in handles:
-                handle.remove()
-        return (torch.cat(out.split(batch, dim=0), dim=1), *(None for _ in rest))
+            _RUNNING.pop()
+        return (torch.cat(out.split(hidden.shape[0], dim=0), dim=1), *(None for _ in rest))
 
     return forward
+
+
+def _read_qkv(act: nn.Module, _inputs: Any, out: torch.Tensor) -> None:
+    call = _RUNNING[-1] if _RUNNING else None
+    if call is not None and getattr(call["module"], "act_fn", None) is act:
+        mask_fn = getattr(sys.modules[type(call["module"]).__module__], MASK_FN)
+        call["qkv"] = mask_fn(out, call["mask"])  # as the forward masks it
+
+
+def _add_carried(norm: nn.Module, inputs: tuple) -> tuple | None:
+    call = _RUNNING[-1] if _RUNNING else None
+    if call is None or getattr(call["module"], "norm", None) is not norm:
+        return None
+    return (inputs[0] + _carry(call["module"], call["state"], call.pop("qkv"), call["batch"]), *inputs[1:])
 
 
 def _carry(module: nn.Module, state: CallState, qkv: torch.Tensor, batch: int) -> torch.Tensor:
