@@ -154,6 +154,10 @@ MORE_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
                                           "layer_types": ["linear_attention", "linear_attention", "full_attention"]}),
     # a Gated DeltaNet hybrid: layer 0 linear attention (conv kernel 4, 2 key / 4 value heads), layer 1
     # gated full attention; a routed MoE with a shared expert
+    # Qwen3-MoE with its load-balancing aux loss on in the config (what a Trainer then adds to the loss)
+    "qwen3_moe_aux": ("Qwen3MoeConfig", {"head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2,
+                                         "moe_intermediate_size": 32, "mlp_only_layers": [0], "norm_topk_prob": True,
+                                         "output_router_logits": True, "router_aux_loss_coef": 0.5}),
     "qwen3_next": ("Qwen3NextConfig", {"head_dim": 8, "num_key_value_heads": 2, "linear_num_key_heads": 2,
                                        "linear_num_value_heads": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
                                        "linear_conv_kernel_dim": 4, "num_experts": 4, "num_experts_per_tok": 2,

@@ -3,8 +3,8 @@ TRL's trainers turn on for every MoE): each cp rank routes its zigzag rows, and 
 process's over the global batch (:func:`hp_lazy.runtime.ep.aux.install` from the cp style's finish,
 padding read from the call's state, each rank's ``1/cp`` share summed by the entry). Against one
 process: ``out.aux_loss`` and ``out.loss`` on every rank, every gradient and 3 SGD+wd steps, at
-cp=2 (plain and padded), cp=2 x dp=2, ep=2 x cp=2 and through TRL's ``SFTTrainer``. Negative
-control: transformers' aux loss on each rank's own rows."""
+cp=2 (plain and padded), cp=2 x dp=2, ep=2 x cp=2, through the stock ``Trainer`` and TRL's
+``SFTTrainer``. Negative control: transformers' aux loss on each rank's own rows."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import epwork
 import models
 import parity
 import pytest
+import trainwork
 import trlwork
 from dist import DistPool, pool_fixture
 
@@ -84,3 +85,12 @@ def test_negative_control_sft_trainer_local_aux_cp2(pool2: DistPool, root: str, 
     got = parity.once(pool2, cpwork.activate, 2, 1).run(trlwork.sft_local_aux, path, str(tmp_path / "local"))
     with pytest.raises(AssertionError, match="relative errors above"):
         trlwork.compare(got[0], ref)
+
+
+def test_trainer_moe_aux_loss_cp2(pool2: DistPool, root: str, tmp_path) -> None:
+    """The stock ``Trainer`` on an MoE whose config turns the aux loss on: losses, grad norms and
+    every parameter after 3 steps (no dp: the Trainer scales nothing)."""
+    path = models.build("qwen3_moe_aux", root)
+    ref = trainwork.trainer(0, 1, path, str(tmp_path / "ref"))
+    got = parity.once(pool2, cpwork.activate, 2, 1).run(trainwork.trainer, path, str(tmp_path / "hp"))
+    trainwork.compare_trainer(got[0], ref)

@@ -39,6 +39,23 @@ def test_trainer_default_args_sgd(pool: DistPool, refs, tmp_path) -> None:
     assert [g["total_batch"] for g in got] == [ref["total_batch"]] * len(got) == [trainwork.GLOBAL_BATCH] * len(got)
 
 
+def test_trainer_moe_aux_loss(pool: DistPool, refs, tmp_path) -> None:
+    """An MoE with ``output_router_logits=True`` in its config (coefficient 0.5): the Trainer's loss
+    scale by dp would weigh the global aux loss twice; hp_lazy's ``compute_loss`` takes the surplus out."""
+    path, _ = refs("qwen3_moe_aux")
+    ref = _reference(trainwork.trainer, path, str(tmp_path / "ref"))
+    trainwork.compare_trainer(pool.run(trainwork.trainer, path, str(tmp_path / "hp"))[0], ref)
+
+
+def test_negative_control_trainer_stock_loss_with_moe_aux(pool: DistPool, refs, tmp_path) -> None:
+    path, _ = refs("qwen3_moe_aux")
+    ref = _reference(trainwork.trainer, path, str(tmp_path / "ref"))
+    got = pool.run(trainwork.trainer_stock_loss, path, str(tmp_path / "hp"))[0]
+    assert abs(float(got["loss"][0] / ref["loss"][0]) - 1) > 0.05  # measured 0.17 at dp=2
+    with pytest.raises(AssertionError, match="relative errors above"):
+        trainwork.compare_trainer(got, ref)
+
+
 @pytest.mark.parametrize("optim", ["sgd", "adamw_torch"])
 def test_trainer_with_accumulation(pool: DistPool, refs, tmp_path, optim: str) -> None:
     path, _ = refs("qwen3")  # q/k norms: partial sums over tp, reduced with the dp average

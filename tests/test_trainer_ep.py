@@ -36,6 +36,15 @@ def test_trainer_under_ep(ready, tmp_path, optim: str) -> None:
     assert [g["total_batch"] for g in got] == [ref["total_batch"]] * 2
 
 
+def test_trainer_moe_aux_loss_under_ep(pool2: DistPool, tmp_path) -> None:
+    """``output_router_logits=True`` in the config: the aux loss weighed once (hp_lazy's
+    ``compute_loss``), one process's over the global batch."""
+    path = models.build("qwen3_moe_aux", str(tmp_path / "models"))
+    ref = trainwork.trainer(0, 1, path, str(tmp_path / "ref"))
+    got = parity.once(pool2, epwork.activate, ep=2).run(trainwork.trainer, path, str(tmp_path / "hp"))
+    trainwork.compare_trainer(got[0], ref)
+
+
 def test_trainer_with_torch_compile_under_ep(ready, tmp_path) -> None:
     """``TrainingArguments(torch_compile=True)`` (backend eager) under ep=2: one process's numbers
     (the experts' dispatch runs eagerly between the compiled graphs)."""

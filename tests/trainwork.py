@@ -137,6 +137,19 @@ def stock_trainer(rank: int, world: int, path: str, out: str) -> dict[str, Any]:
         return trainer(rank, world, path, out, parallelize=True)
 
 
+def trainer_stock_loss(rank: int, world: int, path: str, out: str) -> dict[str, Any]:
+    """Negative control: the Trainer's own ``compute_loss``, which weighs an MoE's aux loss once per
+    rank reading different rows."""
+    import transformers.trainer as module
+
+    routed = module.Trainer.compute_loss
+    module.Trainer.compute_loss = routed.__wrapped__
+    try:
+        return trainer(rank, world, path, out)
+    finally:
+        module.Trainer.compute_loss = routed
+
+
 def clip_loop(rank: int, world: int, path: str, norm_type: float, max_norm: float = 0.5,
               wrap: str = "hp") -> dict[str, Any]:
     """A user loop: forward, backward, ``torch.nn.utils.clip_grad_norm_``; the total norm on every

@@ -51,6 +51,7 @@ def install(module: ModuleType, degrees: Degrees) -> None:
     if getattr(cls, PATCHED, False):
         return
     cls.get_tp_size = _get_tp_size(cls.get_tp_size, degrees)
+    cls.compute_loss = _compute_loss(cls.compute_loss)
     cls._save = _save(cls._save)
     cls._save_optimizer_and_scheduler = _save_optimizer(cls._save_optimizer_and_scheduler, degrees)
     cls._load_optimizer_and_scheduler = _load_optimizer(cls._load_optimizer_and_scheduler, degrees)
@@ -206,6 +207,39 @@ def _save(stock: Callable[..., Any]) -> Callable[..., Any]:
         return None
 
     return _save
+
+
+def _compute_loss(stock: Callable[..., Any]) -> Callable[..., Any]:
+    """The MoE aux loss weighed once: the stock ``compute_loss`` multiplies the model's loss by the
+    ranks that read different rows (``num_processes // tp_size``) to undo the dp average of a loss
+    over the global token count, and the aux loss the model added to it (``router_aux_loss_coef *
+    aux_loss``: one process's value on every rank, :mod:`hp_lazy.runtime.ep.aux`) with it, so the
+    gradient and the logged loss held it that many times (at dp=2, coefficient 0.5: the loss 17%
+    off). The surplus is taken back out: ``(scale - 1) * coef * aux_loss``."""
+
+    @functools.wraps(stock)
+    def compute_loss(self: Any, model: Any, inputs: dict[str, Any], return_outputs: bool = False,
+                     num_items_in_batch: Any = None) -> Any:
+        model_loss = "labels" in inputs and self.label_smoother is None and self.compute_loss_func is None
+        loss, outputs = stock(self, model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
+        aux = outputs.get("aux_loss") if isinstance(outputs, Mapping) else None
+        scale = self.accelerator.num_processes // self.get_tp_size() if self.args.n_gpu <= 1 else self.args.n_gpu
+        scaled = self.args.average_tokens_across_devices and self.model_accepts_loss_kwargs \
+            and num_items_in_batch is not None and scale > 1
+        if model_loss and scaled and aux is not None and lowered(model):
+            config = self.accelerator.unwrap_model(model).config
+            config = getattr(config, "get_text_config", lambda: config)()
+            coef = getattr(config, "router_aux_loss_coef", None)
+            if coef is None:
+                raise ShardingError(
+                    f"{type(model).__name__}: Trainer multiplies the model's loss by {scale} (the ranks reading "
+                    "different rows), the aux loss the model added to it too, and hp_lazy finds no "
+                    "config.router_aux_loss_coef to take the surplus back out; set output_router_logits=False"
+                )
+            loss = loss - (scale - 1) * coef * aux
+        return (loss, outputs) if return_outputs else loss
+
+    return compute_loss
 
 
 def _get_tp_size(stock: Callable[..., int], degrees: Degrees) -> Callable[..., int]:
