@@ -86,6 +86,10 @@ DROPOUT_CUTS = "_hp_cuts"
 SEQUENCE_GATHERED = "_hp_sequence_gathered"
 """Module ``__dict__`` key: a token mixer outside the tp boundaries of a sequence-split stack that runs
 on the whole sequence (:mod:`hp_lazy.runtime.sp.mixers`)."""
+SEQUENCE_CARRIED = "_hp_sequence_carried"
+"""Module ``__dict__`` key: a token mixer outside the tp boundaries of a sequence-split stack that runs
+on this rank's piece, its recurrent state carried from the pieces before (a lightning attention:
+:mod:`hp_lazy.runtime.cp.lightning`); value ``(tp group, stack)``. The layer hands it its inputs whole."""
 SEQUENCE_INPUTS = "_hp_sequence_inputs"
 """Layer ``__dict__`` key: the per-layer inputs it reads outside its boundaries are cut along the
 sequence with its hidden states (:mod:`hp_lazy.runtime.sp.inputs`)."""
@@ -107,6 +111,6 @@ GENERATED: frozenset[str] = frozenset({RT, INFO, BINDING, FORM, OUT, CALL})
 ATTACHED: frozenset[str] = frozenset(
     {BOUND, OWNER, LEAF_INPUTS, VOCAB_RANGE, INPUT_CHECK, CP_ENTRY, EP_DISPATCH, EP_LOAD, PATCHED,
      OPTIM_ADOPTED, LAID_OUT, LEAF, WATCH, ADAPTER_HOOKS, LAZY_HOOK, LAZY_INIT, ROUTED, NO_HUB_KERNEL, HUB_CONDITION,
-     WRAPPED, DROPOUT_CUTS, LOG_HANDLER, SPLIT, SEQUENCE_GATHERED, SEQUENCE_INPUTS, SEQUENCE_CHECKED,
+     WRAPPED, DROPOUT_CUTS, LOG_HANDLER, SPLIT, SEQUENCE_GATHERED, SEQUENCE_CARRIED, SEQUENCE_INPUTS, SEQUENCE_CHECKED,
      SEQUENCE_DIM, SEQUENCE_TOKENS, SEQUENCE_RUNNING}
 )

@@ -1,11 +1,14 @@
 """Token mixers outside the tp boundaries under sequence parallel (:mod:`hp_lazy.runtime.sp.mixers`):
-a hybrid's recurrent layers (Bamba's Mamba2, Jamba's Mamba1, LFM3's short convolution, MiniMax's
-lightning attention) and an
+a hybrid's recurrent layers (Bamba's Mamba2, Jamba's Mamba1, LFM3's short convolution) and an
 attention module the plan leaves out (T5Gemma's cross-attention), which transformers' TP plans
 leave whole, run on the whole sequence (gathered in, cut out) while the attention and MLP
 boundaries around them keep the sequence split. One process's loss, logits, every
 gradient and 3 SGD+wd steps at tp=2 and 4; the collectives that costs; without it the numbers are
 silently wrong (negative control); a layer kind with no mixer hp_lazy can find is refused by name.
+MiniMax's lightning attention instead runs on each rank's piece with the state of the pieces before
+carried in: the same numbers, one all-gather of its ``[B, H, D, D]`` state per layer (none of the
+hidden states), the cache of a prefill holding the whole sequence's state, and pieces from a zero
+state as the negative control.
 
 Modules the plan itself runs on the whole sequence, because they hold a per-Linear gather or split
 (Phi-3's fused ``qkv_proj``, Qwen3-Next's Gated DeltaNet projections: :mod:`hp_lazy.plan.auto.sp`):
@@ -13,6 +16,8 @@ the same numbers, the bytes per rank of their own collectives, and their unshard
 whole gradients left out of the stack's partial sums (negative control)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import models
 import parity
@@ -71,6 +76,53 @@ def test_a_layer_kind_with_no_mixer_found_is_refused(refs, pool2: DistPool, pool
     assert ("ShardingError: model.layers.0 (MiniMaxForCausalLM): layer 0 is a 'linear_attention' layer, which mixes "
             "tokens along the sequence; sequence parallel splits the sequence between the tp boundaries, and hp_lazy "
             "finds no module of this layer it can run on the whole sequence") in str(info.value)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_lightning_layer_moves_its_state_not_the_sequence(world: int, refs, pool2: DistPool, pool4: DistPool) -> None:
+    """MiniMax's lightning attention runs on this rank's piece: per layer and rank one all-gather of
+    the piece's ``[B, H, D, D]`` state (float32), none of the ``[B, S, H]`` hidden states."""
+    b, heads, dim = 2, 4, 8
+    for mine in _pool(world, pool2, pool4).run(parity.module_collectives, refs("minimax")[0], "layers.0.self_attn"):
+        assert mine == {"model.layers.0.self_attn": {"all_gather": (1, b * heads * dim * dim * 4)}}, mine
+
+
+def _train_without_carry(rank: int, world: int, path: str, ids) -> dict:
+    """Negative control: each tp rank's piece of a lightning layer from a zero state."""
+    from hp_lazy.runtime.cp import lightning
+
+    original = lightning._carry
+    lightning._carry = lambda *args: original(*args) * 0
+    try:
+        return parity.train(rank, world, path, ids)
+    finally:
+        lightning._carry = original
+
+
+def test_lightning_pieces_without_the_state_fail_parity(refs, pool2: DistPool, pool4: DistPool) -> None:
+    path, ref = refs("minimax")
+    got = _pool(2, pool2, pool4).run(_train_without_carry, path, models.batch())[0]
+    assert models.rel_err(got["logits"], ref["logits"]) > 1e-2
+
+
+def lightning_cache(rank: int, world: int, path: str, ids) -> Any:
+    """The lightning state a forward with ``use_cache=True`` leaves in the cache (layer 0)."""
+    import torch
+
+    import hp_lazy
+
+    model = hp_lazy.parallelize(parity._load(path)) if world > 1 else parity._load(path)
+    with torch.no_grad():
+        return model(input_ids=ids, use_cache=True).past_key_values.get_linear_cache(0)
+
+
+def test_lightning_cache_holds_the_whole_sequences_state(refs, pool2: DistPool, pool4: DistPool) -> None:
+    """A prefill with ``use_cache=True``: the cache keeps the state after the last token, composed
+    over every rank's piece (the forward alone would store this rank's piece's)."""
+    path, _ = refs("minimax")
+    ref = lightning_cache(0, 1, path, models.batch())
+    for got in _pool(2, pool2, pool4).run(lightning_cache, path, models.batch()):
+        assert models.rel_err(got, ref) <= parity.TOL
 
 
 def train_unrecognised(rank: int, world: int, path: str, ids) -> dict:

@@ -1,5 +1,5 @@
-"""Lightning attention under context parallel (MiniMax-Text-01 / M1's ``linear_attention`` layers),
-split over the sequence with transformers' own forward as the local computation, in the zigzag
+"""Lightning attention under context and sequence parallel (MiniMax-Text-01 / M1's ``linear_attention``
+layers), split over the sequence with transformers' own forward as the local computation, in the zigzag
 order the attention layers use.
 
 Lightning attention is a linear attention with a per-head scalar decay ``a = exp(-slope)``: the
@@ -24,7 +24,12 @@ The class's forward computes the recurrence inline (no module-level kernel to wr
 
 Autograd runs through all of it (the all-gather's backward reduce-scatters the gradients of ``F``
 to the chunks they came from). The carry computes in float32 (float64 for float64 inputs).
-Outside a context-parallel forward the wrapper calls through unchanged.
+
+Under sequence parallel (:func:`split_sequence`, from :mod:`hp_lazy.runtime.sp.mixers`) the same
+carry runs over the tp ranks' consecutive pieces, one chunk each: no hidden state is gathered, the
+parameters' gradients are each rank's tokens' part (summed over tp with the stack's norms), and a
+cache handed in empty (a prefill with ``use_cache=True``) is left the whole sequence's final state.
+Outside a split forward the wrapper calls through unchanged.
 """
 
 from __future__ import annotations
@@ -38,9 +43,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from hp_lazy.names import IMPL
-from hp_lazy.runtime.cp.recurrent import chunks, starts
+from hp_lazy.errors import ShardingError
+from hp_lazy.names import IMPL, SEQUENCE_CARRIED, SEQUENCE_RUNNING
+from hp_lazy.runtime.cp.recurrent import chunks, compose, starts
 from hp_lazy.runtime.cp.state import CallState, current
+from hp_lazy.runtime.mesh import Group
 
 READS = frozenset({"qkv_proj", "act_fn", "norm", "slope_rate", "query_decay", "key_decay", "diagonal_decay",
                    "head_dim", "num_attention_heads"})
@@ -79,10 +86,19 @@ def wrap(module: nn.Module) -> None:
         setattr(module, FLAG, True)
 
 
+def split_sequence(module: nn.Module, group: Group, stack: nn.Module) -> None:
+    """Split ``module`` under sequence parallel: inside ``stack``'s forward (which cuts the sequence
+    into ``group``'s consecutive pieces) it runs on this rank's piece, the state of the pieces
+    before carried in, as under cp with one chunk per rank. The layer hands it its padding mask
+    whole, which it cuts (:data:`~hp_lazy.names.SEQUENCE_CARRIED`)."""
+    wrap(module)
+    module.__dict__[SEQUENCE_CARRIED] = (group, stack)
+
+
 _RUNNING: list[dict[str, Any]] = []
-"""The lightning forwards running under cp, innermost last: each one's module, call state, batch,
-chunked mask and (once its activation ran) masked qkv. A list, not a context variable: dynamo
-traces a list (``torch.compile``)."""
+"""The lightning forwards running split, innermost last: each one's module, the composition of its
+chunks' states (:func:`~.recurrent.compose`), batch, mask of its rows and (once its activation
+ran) masked qkv. A list, not a context variable: dynamo traces a list (``torch.compile``)."""
 
 
 def _carrying(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -91,23 +107,60 @@ def _carrying(fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         state = current()
-        if state is None or not getattr(self, FLAG, False):
-            return fn(self, *args, **kwargs)
-        bound = signature.bind(self, *args, **kwargs)  # no cache: the entry refuses one before any layer runs
-        given = bound.arguments
-        hidden, mask = given["hidden_states"], given.get("attention_mask")
-        given["hidden_states"] = torch.cat(chunks(state, hidden, 1), dim=0)
-        if mask is not None:
-            given["attention_mask"] = torch.cat(chunks(state, mask, 1), dim=0)
-        _RUNNING.append({"module": self, "state": state, "batch": hidden.shape[0],
-                         "mask": given.get("attention_mask")})
-        try:
-            out, *rest = fn(*bound.args, **bound.kwargs)
-        finally:
-            _RUNNING.pop()
-        return (torch.cat(out.split(hidden.shape[0], dim=0), dim=1), *(None for _ in rest))
+        group, stack = self.__dict__.get(SEQUENCE_CARRIED, (None, None))
+        if state is not None and getattr(self, FLAG, False):
+            return _over_chunks(fn, signature.bind(self, *args, **kwargs), state)
+        if group is not None and group.size > 1 and stack.__dict__.get(SEQUENCE_RUNNING):
+            return _over_pieces(fn, signature.bind(self, *args, **kwargs), group)
+        return fn(self, *args, **kwargs)
 
     return forward
+
+
+def _over_chunks(fn: Callable[..., Any], bound: inspect.BoundArguments, state: CallState) -> Any:
+    """cp: this rank's two zigzag chunks as a batch of ``2B`` (no cache: the entry refuses one)."""
+    given = bound.arguments
+    hidden, mask = given["hidden_states"], given.get("attention_mask")
+    given["hidden_states"] = torch.cat(chunks(state, hidden, 1), dim=0)
+    if mask is not None:
+        given["attention_mask"] = torch.cat(chunks(state, mask, 1), dim=0)
+    out, *rest = _run(fn, bound, lambda f, z, step: starts(state, f, z, step), hidden.shape[0])
+    return (torch.cat(out.split(hidden.shape[0], dim=0), dim=1), *(None for _ in rest))
+
+
+def _over_pieces(fn: Callable[..., Any], bound: inspect.BoundArguments, group: Group) -> Any:
+    """sp: this rank's piece, ``[B, S / tp, H]``, after the pieces of the ranks before it."""
+    given, module = bound.arguments, bound.arguments["self"]
+    name = "cache" if "cache" in given else "past_key_values"
+    cache, index = given.get(name), getattr(module, "layer_idx", None)
+    if cache is not None and cache.get_linear_cache(index) is not None:
+        raise ShardingError(f"{type(module).__qualname__} (layer {index}) under sequence parallel: the cache holds "
+                            "the lightning state of earlier tokens (generation), which the tp ranks' pieces do not "
+                            "continue; generate with a plan without sequence_parallel")
+    hidden, mask = given["hidden_states"], given.get("attention_mask")
+    if mask is not None and mask.shape[1] != hidden.shape[1]:  # the layer's whole mask: this rank's piece
+        given["attention_mask"] = mask.chunk(group.size, dim=1)[group.rank]
+    holders, ended = [(r, 0) for r in range(group.size)], []
+
+    def starts_of(final: torch.Tensor, zero: torch.Tensor, step: Callable[..., torch.Tensor]) -> torch.Tensor:
+        begun, end = compose(group, holders, [group.rank], final, zero, step, through=cache is not None)
+        ended.append(end)
+        return begun
+
+    out, *rest = _run(fn, bound, starts_of, hidden.shape[0])
+    if cache is not None:  # the forward stored this piece's own state: the whole sequence's instead
+        cache.set_linear_cache(index, ended[-1].to(out.dtype) if ended[-1] is not None else None)
+    return (out, *(None for _ in rest))
+
+
+def _run(fn: Callable[..., Any], bound: inspect.BoundArguments, starts_of: Callable[..., torch.Tensor],
+         batch: int) -> Any:
+    _RUNNING.append({"module": bound.arguments["self"], "starts": starts_of, "batch": batch,
+                     "mask": bound.arguments.get("attention_mask")})
+    try:
+        return fn(*bound.args, **bound.kwargs)
+    finally:
+        _RUNNING.pop()
 
 
 def _read_qkv(act: nn.Module, _inputs: Any, out: torch.Tensor) -> None:
@@ -121,20 +174,22 @@ def _add_carried(norm: nn.Module, inputs: tuple) -> tuple | None:
     call = _RUNNING[-1] if _RUNNING else None
     if call is None or getattr(call["module"], "norm", None) is not norm:
         return None
-    return (inputs[0] + _carry(call["module"], call["state"], call.pop("qkv"), call["batch"]), *inputs[1:])
+    return (inputs[0] + _carry(call["module"], call["starts"], call.pop("qkv"), call["batch"]), *inputs[1:])
 
 
-def _carry(module: nn.Module, state: CallState, qkv: torch.Tensor, batch: int) -> torch.Tensor:
-    """What the state of the chunks before adds to each chunk's attention output: ``qkv [2B, c,
-    H * 3D]`` (activated and masked as the forward's) -> ``[2B, c, H * D]``."""
+def _carry(module: nn.Module, starts_of: Callable[..., torch.Tensor], qkv: torch.Tensor, batch: int
+           ) -> torch.Tensor:
+    """What the state of the chunks before adds to each chunk's attention output: ``qkv [nB, c,
+    H * 3D]`` (this rank's ``n`` chunks along the batch, activated and masked as the forward's) ->
+    ``[nB, c, H * D]``; ``starts_of(final, zero, step)`` composes the chunks' states."""
     heads, dim = int(getattr(module, "num_attention_heads")), int(getattr(module, "head_dim"))  # noqa: B009
     rows, c = qkv.shape[0], qkv.shape[1]
     work = torch.promote_types(qkv.dtype, torch.float32)
-    q, k, v = qkv.to(work).reshape(rows, c, heads, 3 * dim).split(dim, dim=-1)  # [2B, c, H, D] each
+    q, k, v = qkv.to(work).reshape(rows, c, heads, 3 * dim).split(dim, dim=-1)  # [nB, c, H, D] each
     slope = getattr(module, "slope_rate").to(work).reshape(heads, 1)  # noqa: B009
     t = torch.arange(1, c + 1, device=qkv.device, dtype=work)
-    final = torch.einsum("bthk,ht,bthv->bhkv", k, torch.exp(-slope * (c - t)), v)  # F, [2B, H, D, D]
+    final = torch.einsum("bthk,ht,bthv->bhkv", k, torch.exp(-slope * (c - t)), v)  # F, [nB, H, D, D]
     decay = torch.exp(-slope * c)[..., None]  # a^c, [H, 1, 1]
-    s_in = starts(state, final, final.new_zeros(batch, heads, dim, dim), lambda f, s: decay * s + f)
+    s_in = starts_of(final, final.new_zeros(batch, heads, dim, dim), lambda f, s: decay * s + f)
     carried = torch.einsum("bthk,ht,bhkv->bthv", q, torch.exp(-slope * t), s_in)
     return carried.reshape(rows, c, heads * dim).to(qkv.dtype)

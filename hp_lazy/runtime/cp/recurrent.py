@@ -62,6 +62,7 @@ from hp_lazy.errors import ShardingError
 from hp_lazy.names import IMPL
 from hp_lazy.runtime.comm import gather_to
 from hp_lazy.runtime.cp.state import CallState, current
+from hp_lazy.runtime.mesh import Group
 
 CONV = "causal_conv1d_forward"
 CONV_FN = "causal_conv1d_fn"
@@ -226,18 +227,31 @@ def _rule(fn: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]) -> Callab
 
 
 def starts(state: CallState, final: torch.Tensor, zero: torch.Tensor,
-            step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+           step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """The state each of this rank's two chunks starts from, ``[2B, ...]``: the chunks' maps
     (``final``, ``[2B, ...]``, both chunks along the batch) all-gathered and composed in sequence
     order from ``zero`` (``[B, ...]``), ``s_next = step(map, s)``."""
-    maps = torch.stack(final.split(zero.shape[0], dim=0))  # [2, B, ...]
-    every = gather_to(maps, state.group, 0)  # [2C, B, ...], rank-major
+    return compose(state.group, _global(state), _mine(state), final, zero, step)[0]
+
+
+def compose(group: Group, holders: list[tuple[int, int]], mine: list[int], final: torch.Tensor, zero: torch.Tensor,
+            step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], through: bool = False
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`starts` for any layout: ``holders``, for each chunk in sequence order, the (rank,
+    slot) holding it; ``mine``, the sequence index of this rank's slots (``final``: the slots'
+    maps along the batch). Returns the starts and, with ``through``, the state after the last chunk."""
+    slots = len(mine)
+    maps = torch.stack(final.split(zero.shape[0], dim=0))  # [slots, B, ...]
+    every = gather_to(maps, group, 0)  # [slots * ranks, B, ...], rank-major
     s = zero
-    starts: dict[int, torch.Tensor] = {}
-    for g_index, (r, slot) in enumerate(_global(state)[: max(_mine(state)) + 1]):
-        starts[g_index] = s
-        s = step(every[2 * r + slot], s)
-    return torch.cat([starts[g_index] for g_index in _mine(state)], dim=0)
+    begun: dict[int, torch.Tensor] = {}
+    for index, (r, slot) in enumerate(holders if through else holders[: max(mine) + 1]):
+        begun[index] = s
+        s = step(every[slots * r + slot], s)
+    out = torch.cat([begun[index] for index in mine], dim=0)
+    if max(mine) == 0:  # the first piece starts from zero: kept connected, so its backward joins the gather's
+        out = out + 0 * every.sum()
+    return out, s if through else None
 
 
 def _ssd(fn: Callable[..., Any]) -> Callable[..., Any]:

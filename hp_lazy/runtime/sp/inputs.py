@@ -34,7 +34,14 @@ import torch
 from torch import nn
 
 from hp_lazy.errors import ShardingError
-from hp_lazy.names import SEQUENCE_CHECKED, SEQUENCE_GATHERED, SEQUENCE_INPUTS, SEQUENCE_RUNNING, SEQUENCE_TOKENS
+from hp_lazy.names import (
+    SEQUENCE_CARRIED,
+    SEQUENCE_CHECKED,
+    SEQUENCE_GATHERED,
+    SEQUENCE_INPUTS,
+    SEQUENCE_RUNNING,
+    SEQUENCE_TOKENS,
+)
 from hp_lazy.plan.placement import Shard
 from hp_lazy.runtime.comm import pairs, wire
 from hp_lazy.runtime.leaves import own_forward
@@ -170,7 +177,7 @@ def _rows_of_ranks(value: torch.Tensor, group: Group) -> list[int]:
 def _takes_whole(module: nn.Module, bounded: set[int]) -> bool:
     """A boundary, or a token mixer run on the whole sequence: the inputs the layer hands it (an
     encoder's states for a cross-attention, a padding mask for a Mamba layer) are read there, whole."""
-    return id(module) in bounded or getattr(module, SEQUENCE_GATHERED, False)
+    return id(module) in bounded or getattr(module, SEQUENCE_GATHERED, False) or SEQUENCE_CARRIED in module.__dict__
 
 
 def _reads(module: nn.Module, bounded: set[int]) -> tuple[str, ...]:

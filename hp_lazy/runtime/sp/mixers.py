@@ -21,7 +21,10 @@ contract inside it shards see the whole sequence on every rank too (:func:`plann
 Mixers are found by what the module's forward calls or reads: transformers' attention interface, a
 recurrent kernel :mod:`hp_lazy.runtime.cp.recurrent` knows (its causal convolution with the delta
 rules, Mamba2's or Mamba1's scan), or a lightning attention (:mod:`hp_lazy.runtime.cp.lightning`,
-MiniMax's). A layer whose ``config.layer_types`` kind is neither attention nor token-wise and in
+MiniMax's). A lightning attention does not run whole: it runs on this rank's piece with the
+``D x D`` state of the pieces before carried in (one all-gather of ``[B, H, D, D]`` per layer, none
+of the hidden states; its parameters' gradients are this rank's tokens' part, summed over tp like
+the norms'). A layer whose ``config.layer_types`` kind is neither attention nor token-wise and in
 which none was found, or a ``Conv1d`` outside both, is refused by name.
 """
 
@@ -95,7 +98,7 @@ def gather_mixers(ctx: BindContext) -> None:
         bounded = {id(m) for _, b, _ in ctx.bound if b is not stack for m in b.modules()}
         kinds = list(getattr(getattr(ctx.root, "config", None), "layer_types", None) or ())
         for i, layer in enumerate(stack):
-            found = _gather_layer(f"{fqn}.{i}", layer, bounded, group, family, ctx)
+            found = _gather_layer(f"{fqn}.{i}", layer, bounded, group, family, ctx, stack)
             kind = kinds[i] if i < len(kinds) else None
             if kind is not None and kind not in ATTENTION_LAYERS | TOKENWISE_LAYERS and not found \
                     and not _planned_mixer(layer, bounded):
@@ -108,7 +111,7 @@ def gather_mixers(ctx: BindContext) -> None:
 
 
 def _gather_layer(
-    fqn: str, layer: nn.Module, bounded: set[int], group: Group, family: str, ctx: BindContext
+    fqn: str, layer: nn.Module, bounded: set[int], group: Group, family: str, ctx: BindContext, stack: nn.Module
 ) -> bool:
     found = False
     skip: set[int] = set()
@@ -125,8 +128,11 @@ def _gather_layer(
                     f"tp boundaries {inner[:3]}; sequence parallel can run it on the whole sequence only with no "
                     "boundary inside; train this family without sequence_parallel"
                 )
-            _run_whole(module, group)
-            ctx.whole_sequence.update(id(p) for p in module.parameters())
+            if lightning.supports(module):  # its state carried over the pieces: partial gradients, summed
+                lightning.split_sequence(module, group, stack)
+            else:
+                _run_whole(module, group)
+                ctx.whole_sequence.update(id(p) for p in module.parameters())
             skip.update(id(m) for m in module.modules())
             found = True
         elif isinstance(module, nn.Conv1d):
