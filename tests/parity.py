@@ -6,6 +6,8 @@ single-process reference with plain transformers and compares.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import models
@@ -192,3 +194,22 @@ def relative_errors(got: dict[str, Any], ref: dict[str, Any]) -> dict[str, float
     for name, value in ref["state"].items():
         errors[f"param {name}"] = models.rel_err(got["state"][name], value)
     return errors
+
+
+@contextlib.contextmanager
+def swapped(owner: Any, name: str, value: Any) -> Iterator[Any]:
+    """``owner.name`` set to ``value`` inside the block (a negative control's broken part), the
+    original back after; yields the original."""
+    original = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield original
+    finally:
+        setattr(owner, name, original)
+
+
+def no_carry(lightning: Any) -> Any:
+    """:func:`swapped` of ``lightning._carry`` (:mod:`hp_lazy.runtime.cp.lightning`) for a zero carry:
+    each chunk or piece of a lightning attention from a zero state."""
+    original = lightning._carry
+    return swapped(lightning, "_carry", lambda *args: original(*args) * 0)

@@ -202,12 +202,8 @@ def error_unrecognised(rank: int, world: int, path: str, data: dict) -> str:
     """:func:`cpwork.error` with no lightning attention recognised."""
     from hp_lazy.runtime.cp import lightning
 
-    original = lightning.supports
-    lightning.supports = lambda module: False
-    try:
+    with parity.swapped(lightning, "supports", lambda module: False):
         return cpwork.error(rank, world, path, data)
-    finally:
-        lightning.supports = original
 
 
 @pytest.mark.parametrize(("data", "expected"), REFUSED, ids=[e.split(" under")[0][:30] for _, e in REFUSED])

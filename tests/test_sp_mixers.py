@@ -91,12 +91,8 @@ def _train_without_carry(rank: int, world: int, path: str, ids) -> dict:
     """Negative control: each tp rank's piece of a lightning layer from a zero state."""
     from hp_lazy.runtime.cp import lightning
 
-    original = lightning._carry
-    lightning._carry = lambda *args: original(*args) * 0
-    try:
+    with parity.no_carry(lightning):
         return parity.train(rank, world, path, ids)
-    finally:
-        lightning._carry = original
 
 
 def test_lightning_pieces_without_the_state_fail_parity(refs, pool2: DistPool, pool4: DistPool) -> None:
@@ -129,12 +125,8 @@ def train_unrecognised(rank: int, world: int, path: str, ids) -> dict:
     """:func:`parity.train` with no lightning attention recognised."""
     from hp_lazy.runtime.cp import lightning
 
-    original = lightning.supports
-    lightning.supports = lambda module: False
-    try:
+    with parity.swapped(lightning, "supports", lambda module: False):
         return parity.train(rank, world, path, ids)
-    finally:
-        lightning.supports = original
 
 
 @pytest.mark.parametrize(("name", "world"), [("phi3", 2), ("phi3", 4), ("qwen3_next", 2), ("qwen3_next", 4)])
