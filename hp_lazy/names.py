@@ -89,7 +89,7 @@ on the whole sequence (:mod:`hp_lazy.runtime.sp.mixers`)."""
 SEQUENCE_CARRIED = "_hp_sequence_carried"
 """Module ``__dict__`` key: a token mixer outside the tp boundaries of a sequence-split stack that runs
 on this rank's piece, its recurrent state carried from the pieces before (a lightning attention:
-:mod:`hp_lazy.runtime.cp.lightning`); value ``(tp group, stack)``. The layer hands it its inputs whole."""
+:mod:`hp_lazy.runtime.cp.lightning`); value: the tp group. The layer hands it its inputs whole."""
 SEQUENCE_INPUTS = "_hp_sequence_inputs"
 """Layer ``__dict__`` key: the per-layer inputs it reads outside its boundaries are cut along the
 sequence with its hidden states (:mod:`hp_lazy.runtime.sp.inputs`)."""

@@ -43,13 +43,42 @@ def test_aux_loss_is_global_cp2(pool2: DistPool, root: str, padded: bool) -> Non
     epwork.check_aux(pool, models.build("qwen3_moe", root), _padded() if padded else epwork.batch())
 
 
+def train_local_counts(rank: int, world: int, path: str, data: dict) -> dict:
+    """Negative control: the aux loss from each rank's own rows (the counts reduced over nobody)."""
+    import importlib
+
+    from hp_lazy.runtime.cp.state import padding_rows
+    from hp_lazy.runtime.ep import aux
+
+    module = importlib.import_module("transformers.models.qwen3_moe.modeling_qwen3_moe")
+    original = getattr(module.load_balancing_loss_func, "hp_original", module.load_balancing_loss_func)
+    local = aux.global_load_balancing(original, [], 1, padding_rows, share=world)
+    with parity.swapped(module, "load_balancing_loss_func", local):
+        return epwork.train(rank, world, path, data, config=epwork.AUX)
+
+
 def test_negative_control_local_aux_loss_cp2(pool2: DistPool, root: str) -> None:
-    """transformers' aux loss on each rank's rows: rank 0's value and the router's gradients are off."""
+    """Each rank's aux loss from its own rows: the value and the router's gradients are off."""
     pool = parity.once(pool2, cpwork.activate, 2, 1)
-    got, ref = epwork.local_aux(pool, models.build("qwen3_moe", root), epwork.batch())
+    path = models.build("qwen3_moe", root)
+    ref = epwork.reference(path, epwork.batch(), config=epwork.AUX)
+    got = pool.run(train_local_counts, path, epwork.batch())[0]
     assert models.rel_err(got["aux"], ref["aux"]) > 1e-4
     with pytest.raises(AssertionError, match=r"relative errors above .*'grad model.layers.\d.mlp.gate.weight'"):
         parity.compare(got, ref)
+
+
+def test_an_aux_loss_not_made_global_is_refused(pool2: DistPool, root: str) -> None:
+    """transformers' own aux loss on each rank's rows (the global one swapped back out): refused by
+    the entry, naming the option, instead of summed over cp."""
+    from dist import WorkerError
+
+    pool = parity.once(pool2, cpwork.activate, 2, 1)
+    with pytest.raises(WorkerError) as info:
+        epwork.local_aux(pool, models.build("qwen3_moe", root), epwork.batch())
+    assert ("ShardingError: Qwen3MoeForCausalLM: an aux loss (out.aux_loss) not from transformers' "
+            "load_balancing_loss_func under context parallel (cp=2): it is computed from this rank's tokens only; "
+            "drop output_router_logits") in str(info.value)
 
 
 def test_aux_loss_is_global_cp2_dp2(pool4: DistPool, root: str) -> None:

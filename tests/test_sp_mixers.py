@@ -101,6 +101,19 @@ def test_lightning_pieces_without_the_state_fail_parity(refs, pool2: DistPool, p
     assert models.rel_err(got["logits"], ref["logits"]) > 1e-2
 
 
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_lightning_under_gradient_checkpointing(reentrant: bool, refs, pool2: DistPool, pool4: DistPool) -> None:
+    """Each layer recomputed in backward, after the stack's forward has ended: the lightning layer
+    still runs on its piece with the state carried (its all-gather again inside the recompute)."""
+    import cpwork
+
+    path, _ = refs("minimax")
+    data = {"input_ids": models.batch(), "labels": models.batch()}
+    ref = cpwork.checkpointed(0, 1, path, data, reentrant)
+    got = _pool(2, pool2, pool4).run(cpwork.checkpointed, path, data, reentrant)
+    parity.compare(got[0], ref)
+
+
 def lightning_cache(rank: int, world: int, path: str, ids) -> Any:
     """The lightning state a forward with ``use_cache=True`` leaves in the cache (layer 0)."""
     import torch

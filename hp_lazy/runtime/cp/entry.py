@@ -27,6 +27,7 @@ any tensor input beyond the text stack's (``pixel_values``, ``image_grid_thw``, 
 from __future__ import annotations
 
 import inspect
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -38,6 +39,7 @@ from hp_lazy.errors import ShardingError
 from hp_lazy.runtime.comm import reduce_from
 from hp_lazy.runtime.cp import state as cp_state
 from hp_lazy.runtime.cp.zigzag import zigzag
+from hp_lazy.runtime.ep import aux
 from hp_lazy.runtime.mesh import Group
 
 IGNORE = -100
@@ -88,9 +90,18 @@ class ContextEntry:
             cp_state.leave(token)
         if has_labels and getattr(out, "loss", None) is not None:
             out.loss = reduce_from(out.loss, self.group)
-        if isinstance(getattr(out, "aux_loss", None), torch.Tensor):  # each rank's 1/cp share (ep.aux)
-            out.aux_loss = reduce_from(out.aux_loss, self.group)
+        if isinstance(getattr(out, "aux_loss", None), torch.Tensor):
+            out.aux_loss = self._global_aux(out.aux_loss, module)
         return out
+
+    def _global_aux(self, aux_loss: torch.Tensor, module: nn.Module) -> torch.Tensor:
+        """Each rank's ``1/cp`` share of the global aux loss (:mod:`hp_lazy.runtime.ep.aux`), summed.
+        An aux loss from anything else is this rank's tokens' alone: refused."""
+        function = getattr(sys.modules.get(type(module).__module__), aux.NAME, None)
+        if getattr(function, "hp_original", None) is None:
+            raise self._refuse("an aux loss (out.aux_loss) not from transformers' load_balancing_loss_func",
+                               "it is computed from this rank's tokens only", "drop output_router_logits")
+        return reduce_from(aux_loss, self.group)
 
     def _arguments(self, forward: Callable[..., Any], module: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
         sig = self._signatures.get(forward)

@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from hp_lazy.errors import ShardingError
-from hp_lazy.names import IMPL, SEQUENCE_CARRIED, SEQUENCE_RUNNING
+from hp_lazy.names import IMPL, SEQUENCE_CARRIED
 from hp_lazy.runtime.cp.recurrent import chunks, compose, starts
 from hp_lazy.runtime.cp.state import CallState, current
 from hp_lazy.runtime.mesh import Group
@@ -86,13 +86,13 @@ def wrap(module: nn.Module) -> None:
         setattr(module, FLAG, True)
 
 
-def split_sequence(module: nn.Module, group: Group, stack: nn.Module) -> None:
-    """Split ``module`` under sequence parallel: inside ``stack``'s forward (which cuts the sequence
-    into ``group``'s consecutive pieces) it runs on this rank's piece, the state of the pieces
-    before carried in, as under cp with one chunk per rank. The layer hands it its padding mask
-    whole, which it cuts (:data:`~hp_lazy.names.SEQUENCE_CARRIED`)."""
+def split_sequence(module: nn.Module, group: Group) -> None:
+    """Split ``module`` under sequence parallel: inside its layer stack (which cuts the sequence
+    into ``group``'s consecutive pieces, and outside which it is never called) it runs on this
+    rank's piece, the state of the pieces before carried in, as under cp with one chunk per rank.
+    The layer hands it its padding mask whole, which it cuts (:data:`~hp_lazy.names.SEQUENCE_CARRIED`)."""
     wrap(module)
-    module.__dict__[SEQUENCE_CARRIED] = (group, stack)
+    module.__dict__[SEQUENCE_CARRIED] = group
 
 
 _RUNNING: list[dict[str, Any]] = []
@@ -107,10 +107,10 @@ def _carrying(fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         state = current()
-        group, stack = self.__dict__.get(SEQUENCE_CARRIED, (None, None))
+        group = self.__dict__.get(SEQUENCE_CARRIED)
         if state is not None and getattr(self, FLAG, False):
             return _over_chunks(fn, signature.bind(self, *args, **kwargs), state)
-        if group is not None and group.size > 1 and stack.__dict__.get(SEQUENCE_RUNNING):
+        if group is not None and group.size > 1:  # inside its stack (a recompute in backward too): a piece
             return _over_pieces(fn, signature.bind(self, *args, **kwargs), group)
         return fn(self, *args, **kwargs)
 

@@ -98,7 +98,7 @@ def gather_mixers(ctx: BindContext) -> None:
         bounded = {id(m) for _, b, _ in ctx.bound if b is not stack for m in b.modules()}
         kinds = list(getattr(getattr(ctx.root, "config", None), "layer_types", None) or ())
         for i, layer in enumerate(stack):
-            found = _gather_layer(f"{fqn}.{i}", layer, bounded, group, family, ctx, stack)
+            found = _gather_layer(f"{fqn}.{i}", layer, bounded, group, family, ctx)
             kind = kinds[i] if i < len(kinds) else None
             if kind is not None and kind not in ATTENTION_LAYERS | TOKENWISE_LAYERS and not found \
                     and not _planned_mixer(layer, bounded):
@@ -111,7 +111,7 @@ def gather_mixers(ctx: BindContext) -> None:
 
 
 def _gather_layer(
-    fqn: str, layer: nn.Module, bounded: set[int], group: Group, family: str, ctx: BindContext, stack: nn.Module
+    fqn: str, layer: nn.Module, bounded: set[int], group: Group, family: str, ctx: BindContext
 ) -> bool:
     found = False
     skip: set[int] = set()
@@ -129,7 +129,7 @@ def _gather_layer(
                     "boundary inside; train this family without sequence_parallel"
                 )
             if lightning.supports(module):  # its state carried over the pieces: partial gradients, summed
-                lightning.split_sequence(module, group, stack)
+                lightning.split_sequence(module, group)
             else:
                 _run_whole(module, group)
                 ctx.whole_sequence.update(id(p) for p in module.parameters())
