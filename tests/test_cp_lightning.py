@@ -3,8 +3,9 @@ rank's zigzag rows, the state of the chunks before carried in, against one call 
 sequence (outputs and every input's and parameter's gradient, float64, at world 1, 2 and 4; block
 sizes that divide the chunks and that do not), with the bytes gathered per layer independent of
 the sequence length; and MiniMax (lightning + full attention + MoE) against one process: plain,
-padded and packed batches at cp=2 and cp=4, Ulysses, gradient checkpointing and TRL's
-``SFTTrainer`` with packing. Negative control: the chunks without the carried state."""
+padded and packed batches at cp=2 and cp=4, Ulysses, gradient checkpointing, compile, PEFT's LoRA
+on the lightning projections and TRL's ``SFTTrainer`` with packing. Negative control: the chunks
+without the carried state."""
 
 from __future__ import annotations
 
@@ -171,3 +172,27 @@ def test_minimax_compiled(pool2: DistPool, root: str) -> None:
     results = cpwork.check(_ready(pool2, 2), models.build("minimax", root), cpwork.batch("padded"), compile="eager")
     breaks = results[0]["graph_breaks"]
     assert breaks and all("ContextVar" in reason or "Tensor.item()" in reason for reason in breaks), breaks
+
+
+def lora_train(rank: int, world: int, path: str, data: dict[str, Any]) -> dict[str, Any]:
+    """:func:`cpwork.run` on PEFT's LoRA of the model, the lightning layer's projections adapted."""
+    import test_peft
+
+    import hp_lazy
+
+    model = test_peft._peft(cpwork.load(path), targets=["qkv_proj", "output_gate", "out_proj", "q_proj", "o_proj"])
+    if world == 1:
+        return cpwork.run(model, data)
+    result = cpwork.run(model, data, gather=hp_lazy.gather_sequence, full_grads=hp_lazy.full_grads,
+                        full_state_dict=hp_lazy.full_state_dict)
+    return result if rank == 0 else {"loss": result["loss"]}
+
+
+def test_minimax_lora_cp2(pool2: DistPool, root: str) -> None:
+    """PEFT's LoRA on the lightning layer's ``qkv_proj`` (whose activated output the split reads),
+    ``output_gate`` and ``out_proj``: every adapter gradient and 3 steps are one process's."""
+    pytest.importorskip("peft")
+    path, data = models.build("minimax", root), cpwork.batch("padded")
+    got = _ready(pool2, 2).run(lora_train, path, data)
+    errors = parity.compare(got[0], lora_train(0, 1, path, data))
+    assert sum("lora_" in name for name in errors) >= 10, sorted(errors)

@@ -40,6 +40,7 @@ from typing import Any
 from hp_lazy.errors import ShardingError
 from hp_lazy.integrations.accelerate import lowered, sharing_degrees
 from hp_lazy.names import PATCHED
+from hp_lazy.runtime.ep.aux import text_config
 from hp_lazy.runtime.mesh import get_mesh
 
 Degrees = Callable[[], "Mapping[str, int] | None"]
@@ -223,13 +224,12 @@ def _compute_loss(stock: Callable[..., Any]) -> Callable[..., Any]:
         model_loss = "labels" in inputs and self.label_smoother is None and self.compute_loss_func is None
         loss, outputs = stock(self, model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
         aux = outputs.get("aux_loss") if isinstance(outputs, Mapping) else None
+        if aux is None or not model_loss or num_items_in_batch is None or not self.model_accepts_loss_kwargs \
+                or not self.args.average_tokens_across_devices or not lowered(model):
+            return (loss, outputs) if return_outputs else loss
         scale = self.accelerator.num_processes // self.get_tp_size() if self.args.n_gpu <= 1 else self.args.n_gpu
-        scaled = self.args.average_tokens_across_devices and self.model_accepts_loss_kwargs \
-            and num_items_in_batch is not None and scale > 1
-        if model_loss and scaled and aux is not None and lowered(model):
-            config = self.accelerator.unwrap_model(model).config
-            config = getattr(config, "get_text_config", lambda: config)()
-            coef = getattr(config, "router_aux_loss_coef", None)
+        if scale > 1:
+            coef = getattr(text_config(self.accelerator.unwrap_model(model)), "router_aux_loss_coef", None)
             if coef is None:
                 raise ShardingError(
                     f"{type(model).__name__}: Trainer multiplies the model's loss by {scale} (the ranks reading "

@@ -50,8 +50,9 @@ from hp_lazy.runtime.cp.state import CallState, current
 from hp_lazy.runtime.mesh import Group
 
 READS = frozenset({"qkv_proj", "act_fn", "norm", "slope_rate", "query_decay", "key_decay", "diagonal_decay",
-                   "head_dim", "num_attention_heads"})
-"""What a lightning attention forward reads off its module (MiniMax's ``MiniMaxLightningAttention``)."""
+                   "head_dim", "num_attention_heads", "get_linear_cache", "set_linear_cache"})
+"""What a lightning attention forward reads off its module and its cache (MiniMax's
+``MiniMaxLightningAttention``; the split reads and sets the cache's state the same way)."""
 MASK_FN = "apply_mask_to_padding_states"
 FLAG = "hp_cp_lightning"
 """Set on a split instance (its hooks are in place); other instances of the class call through."""

@@ -105,10 +105,15 @@ def global_load_balancing(original: Any, over: Sequence[Group], scale: int, loca
     return load_balancing_loss_func
 
 
+def text_config(model: nn.Module) -> Any:
+    """``model``'s config, or its text stack's for a composite model (None without a config)."""
+    config = getattr(model, "config", None)
+    return getattr(config, "get_text_config", lambda: config)()
+
+
 def routes(root: nn.Module) -> bool:
     """``root``'s (text) config has ``output_router_logits``: an MoE whose aux loss may be turned on."""
-    config = getattr(root, "config", None)
-    return hasattr(getattr(config, "get_text_config", lambda: config)(), "output_router_logits")
+    return hasattr(text_config(root), "output_router_logits")
 
 
 def install(root: nn.Module, over: Sequence[Group], scale: int, local_mask: Rows | None = None, *, under: str,
