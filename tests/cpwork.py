@@ -140,10 +140,10 @@ def attention_implementations(rank: int, world: int, path: str) -> dict[str, str
             if hasattr(child, "config")}
 
 
-def activate(rank: int, world: int, cp: int, tp: int, mode: str = "allgather") -> None:
+def activate(rank: int, world: int, cp: int, tp: int, mode: str = "allgather", sp: bool = False) -> None:
     import hp_lazy
 
-    hp_lazy.activate("auto", cp=cp, tp=tp, cp_mode=mode)
+    hp_lazy.activate("auto", cp=cp, tp=tp, cp_mode=mode, sequence_parallel=sp)
 
 
 def train_broken(rank: int, world: int, path: str, data: dict[str, Any], how: str) -> dict[str, Any]:

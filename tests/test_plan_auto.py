@@ -220,6 +220,17 @@ def test_sequence_parallel_runs_modules_holding_per_linear_leaves_whole() -> Non
     assert "model.layers" in got  # the stack
 
 
+def test_a_module_run_whole_carries_cp_attention_under_cp() -> None:
+    """With cp as well, Phi-3's attention is both the module sp runs on the whole (cp) rows and an
+    attention module cp splits: one contract carries both (cp's op alone was a second contract on
+    the same slot, refused as a slot run split and whole)."""
+    whole = contracts("phi3", sequence_parallel=True)["model.layers.*.self_attn"]
+    got = contracts("phi3", sequence_parallel=True, cp=2)
+    assert got["model.layers.*.self_attn"] == {**whole, "inner": {"call": "attention", "kind": "cp_allgather_kv"}}
+    assert {k: v for k, v in got.items() if k != "model.layers.*.self_attn"} == {
+        k: v for k, v in contracts("phi3", sequence_parallel=True).items() if k != "model.layers.*.self_attn"}
+
+
 def test_a_returned_colwise_gather_leaves_by_all_to_all() -> None:
     """Qwen3-Next's Gated DeltaNet gathers every projection's output; out_proj's, which it returns,
     goes S(-1) -> S(1) (an all-to-all) instead of S(-1) -> R; the projections before stay whole."""

@@ -28,6 +28,11 @@ pool2 = pool_fixture(2, timeout=120)
 pool4 = pool_fixture(4, timeout=180)
 
 
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("models"))
+
+
 def _pool(world: int, pool2: DistPool, pool4: DistPool) -> DistPool:
     return parity.activated(pool2 if world == 2 else pool4, sequence_parallel=True)
 
@@ -147,6 +152,19 @@ def test_modules_holding_per_linear_leaves_match_one_process(name: str, world: i
                                                               pool4: DistPool) -> None:
     errors = parity.check_parity(_pool(world, pool2, pool4), refs, name)
     assert len(errors) > 10 and max(errors.values()) <= parity.TOL
+
+
+@pytest.mark.parametrize(("name", "world"), [("qwen3_next", 2), ("qwen3_next", 4), ("bamba", 2)])
+def test_hybrids_with_a_padded_batch(name: str, world: int, root: str, pool2: DistPool, pool4: DistPool) -> None:
+    """A padding mask beside a mixer run whole: each layer calls its attention or its recurrent mixer,
+    and the call its kind never takes (``self.self_attn(...)`` in a linear-attention layer, which has
+    no ``self_attn``) reads nothing on this rank's tokens, so the mask stays whole for the mixer
+    (it was cut to the rank's piece: a shape error)."""
+    import cpwork
+
+    path, data = models.build(name, root), cpwork.batch("padded")
+    floor = cpwork.chunking_floor(path, data) if name == "qwen3_next" else None
+    cpwork.check(_pool(world, pool2, pool4), path, data, floor)
 
 
 @pytest.mark.parametrize("world", [2, 4])

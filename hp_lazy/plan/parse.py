@@ -334,11 +334,6 @@ def parse_auto(data: object) -> AutoFlags:
             f"plan.auto.cp_mode: {mode!r} (inner op {CP_MODES[mode]!r}) is not implemented yet; use "
             f"cp_mode='allgather' (K/V all-gathered along the sequence)"
         )
-    if cp > 1 and flags["sequence_parallel"]:
-        raise PlanError(
-            f"plan.auto: cp={cp} together with sequence_parallel is not supported yet (the sequence would be cut "
-            "twice); use tp with cp and sequence_parallel=False"
-        )
     ep = check_degree("plan.auto.ep", body.get("ep", 1), "ep=2")
     if ep > 1 and flags["sequence_parallel"]:
         raise PlanError(

@@ -82,7 +82,11 @@ def _whole_sequence(draft: Draft) -> list[str]:
         rule = leaves[0][1].rule
         assert rule is not None
         parent = rule.key.rpartition(".")[0]
-        if region in draft.entries:
+        known = draft.entries.get(region)
+        inner = None
+        if known is not None and known.kind == "attention" and set(known.body) == {"inner"}:
+            inner = draft.entries.pop(region).body["inner"]  # cp's op alone: the whole-sequence contract carries it
+        elif known is not None:
             draft.fail(rule, f"sits in {parent!r}, which sequence_parallel would run on the whole sequence, but "
                        f"{parent!r} is also a tp boundary ({draft.entries[region].owner}) in some layers; a slot runs "
                        "either split or whole: plan the leaves' module as a colwise -> rowwise pair")
@@ -102,6 +106,8 @@ def _whole_sequence(draft: Draft) -> list[str]:
                 out = "S(1)"
         body = {"in_src": {x: {"tp": "S(1)"}}, "in_dst": {x: {"tp": "R"}},
                 "out_src": {"output": {"tp": out}}, "out_dst": {"output": {"tp": "S(1)"}}}
+        if inner is not None:  # an attention module under cp: its attention runs cp's op on the cp rows
+            body["inner"] = inner
         draft.add(region, Entry(body, rule.owner, "whole_sequence", rule, cls))
         _container(draft, rule)
     return list(held)

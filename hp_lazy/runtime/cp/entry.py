@@ -27,6 +27,7 @@ any tensor input beyond the text stack's (``pixel_values``, ``image_grid_thw``, 
 from __future__ import annotations
 
 import inspect
+import math
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -69,13 +70,16 @@ def _holds_tensor(value: Any) -> bool:
 class ContextEntry:
     """Split one call's batch over the cp group (see the module doc)."""
 
-    def __init__(self, owner: str, group: Group, mode: str = "cp_allgather_kv", towers: tuple[str, ...] = ()) -> None:
+    def __init__(self, owner: str, group: Group, mode: str = "cp_allgather_kv", towers: tuple[str, ...] = (),
+                 pieces: int = 1) -> None:
         self.owner = owner
         self.group = group
         self.mode = mode
         self.towers = towers
         """Submodules (a vision or audio encoder) whose attention context parallel leaves whole:
         text-only batches split; a batch with their inputs is refused."""
+        self.pieces = pieces
+        """The pieces sequence parallel cuts this rank's rows into between the tp boundaries (tp; 1 without sp)."""
         self._signatures: dict[Callable[..., Any], inspect.Signature] = {}
 
     def __call__(self, forward: Callable[..., Any], module: nn.Module, args: tuple, kwargs: dict) -> Any:
@@ -142,10 +146,13 @@ class ContextEntry:
                                "the sequence to split is not known", "pass input_ids or inputs_embeds")
         batch, seq = tokens.shape[0], tokens.shape[1]
         size = self.group.size
-        if seq % (2 * size):
-            multiple = 2 * size
+        multiple = math.lcm(2 * size, size * self.pieces)
+        if seq % multiple:
+            cut = f"the zigzag layout cuts it into 2*cp = {2 * size} equal chunks" + (
+                f" and sequence parallel each rank's S/cp rows into tp = {self.pieces} equal pieces"
+                if self.pieces > 1 else "")
             raise self._refuse(
-                f"a sequence of {seq} tokens", f"the zigzag layout cuts it into 2*cp = {multiple} equal chunks",
+                f"a sequence of {seq} tokens", cut,
                 f"pad it to a multiple of {multiple} ({seq + (-seq) % multiple} tokens: pad ids with label "
                 f"{IGNORE} and attention_mask 0 at the padding; a data collator's pad_to_multiple_of={multiple} "
                 "does it: transformers' DataCollatorWithPadding, TRL's SFTConfig / DPOConfig)",

@@ -43,7 +43,10 @@ from hp_lazy.runtime.cp.entry import ContextEntry
 from hp_lazy.runtime.cp.state import padding_rows
 from hp_lazy.runtime.ep import aux
 from hp_lazy.runtime.leaves import calls_attention
+from hp_lazy.runtime.mesh import Group
+from hp_lazy.runtime.sp.mixers import split_stacks
 from hp_lazy.runtime.style import BindContext
+from hp_lazy.runtime.tp.style import routes_own_tokens
 
 ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention", positions.CHUNKED})
 TOKENWISE_LAYERS = frozenset({"mlp", "moe"})
@@ -169,18 +172,30 @@ class ContextParallelStyle:
             raise ShardingError(
                 f"{family}: its attention modules carry different cp inner ops {sorted(self.kinds)}; use one kind"
             )
-        root.__dict__[CP_ENTRY] = ContextEntry(family, ctx.groups["cp"], next(iter(self.kinds)), tuple(towers))
+        pieces = ctx.groups["tp"].size if split_stacks(ctx) else 1  # sequence parallel inside each cp rank's rows
+        root.__dict__[CP_ENTRY] = ContextEntry(family, ctx.groups["cp"], next(iter(self.kinds)), tuple(towers), pieces)
         _global_aux(ctx)
 
 
 def _global_aux(ctx: BindContext) -> None:
     """An MoE's load-balancing aux loss over every cp (and dp) rank's rows (:mod:`hp_lazy.runtime.ep.aux`):
-    the router's gradients are summed over cp and averaged over dp."""
+    the router's gradients are summed over cp and averaged over dp. Under sequence parallel as well,
+    experts split over tp route each tp rank's piece of this rank's rows: the counts are summed over
+    tp too (the router's gradients are, as the norms')."""
     if not aux.routes(ctx.root):
         return
-    cp = ctx.groups["cp"]
-    over = [cp] + ([ctx.mesh.group("dp")] if ctx.mesh.degree("dp") > 1 else [])
-    aux.install(ctx.root, over, ctx.mesh.degree("dp"), padding_rows, under="context parallel", share=cp.size)
+    cp, tp = ctx.groups["cp"], ctx.groups["tp"]
+    pieces = tp.size > 1 and routes_own_tokens(ctx)
+    over = [cp] + ([tp] if pieces else []) + ([ctx.mesh.group("dp")] if ctx.mesh.degree("dp") > 1 else [])
+    rows = _pieces_of_rows(tp) if pieces else padding_rows
+    aux.install(ctx.root, over, ctx.mesh.degree("dp"), rows, share=cp.size,
+                under="context and sequence parallel" if pieces else "context parallel")
+
+
+def _pieces_of_rows(tp: Group) -> aux.Rows:
+    """This tp rank's piece of this cp rank's rows' padding mask (sequence parallel inside cp)."""
+    piece = aux.pieces(tp)
+    return lambda mask: piece(padding_rows(mask))
 
 
 def _tower(root: nn.Module, fqn: str, config: Any) -> str:

@@ -185,7 +185,9 @@ def _reads(module: nn.Module, bounded: set[int]) -> tuple[str, ...]:
     calls of children that take their inputs whole and, where a child only holds such a module
     (DeepSeek-V4's MoE block holds the shared-experts boundary but routes by ``input_ids`` itself),
     wherever that child reads them."""
-    whole: set[str] = set()
+    # a child the class's code calls but this instance lacks sits on a branch this layer never takes
+    # (Qwen3-Next's and Bamba's layers call either their attention or their recurrent mixer)
+    whole = {name for name in called_children(kind_of(module)) if not hasattr(module, name)}
     holders: set[tuple[str, tuple[str, ...], tuple[str, ...]]] = set()
     for name, child in module.named_children():
         if _takes_whole(child, bounded):
@@ -196,19 +198,34 @@ def _reads(module: nn.Module, bounded: set[int]) -> tuple[str, ...]:
 
 
 @functools.cache
+def called_children(cls: type) -> frozenset[str]:
+    """The ``self.<name>(...)`` calls of ``cls``'s forward (() when the source cannot be read)."""
+    fn = _forward_def(cls)
+    if fn is None:
+        return frozenset()
+    return frozenset(name for node in ast.walk(fn) if isinstance(node, ast.Call)
+                     and (name := _self_child(node.func)) is not None)
+
+
+def _forward_def(cls: type) -> ast.FunctionDef | ast.AsyncFunctionDef | None:
+    forward = inspect.unwrap(own_forward(cls))
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    fn = tree.body[0]
+    return fn if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) else None
+
+
+@functools.cache
 def read_outside(cls: type, boundaries: frozenset[str],
                  holders: frozenset[tuple[str, tuple[str, ...], tuple[str, ...]]] = frozenset()) -> tuple[str, ...]:
     """The forward parameters of ``cls`` (after ``self`` and the hidden states) it reads outside
     the calls of its children ``boundaries``; a child in ``holders`` (``(name, what it reads
     itself, its parameters in order)``) reads there only the arguments it reads itself. ()
     when the source cannot be read."""
-    forward = inspect.unwrap(own_forward(cls))
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
-    except (OSError, TypeError, SyntaxError):
-        return ()
-    fn = tree.body[0]
-    if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+    fn = _forward_def(cls)
+    if fn is None:
         return ()
     params = [a.arg for a in fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs][2:]
     held = {name: (reads, names) for name, reads, names in holders}

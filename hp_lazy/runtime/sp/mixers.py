@@ -24,7 +24,8 @@ rules, Mamba2's or Mamba1's scan), or a lightning attention (:mod:`hp_lazy.runti
 MiniMax's). A lightning attention does not run whole: it runs on this rank's piece with the
 ``D x D`` state of the pieces before carried in (one all-gather of ``[B, H, D, D]`` per layer, none
 of the hidden states; its parameters' gradients are this rank's tokens' part, summed over tp like
-the norms'). A layer whose ``config.layer_types`` kind is neither attention nor token-wise and in
+the norms'); under context parallel too it runs whole on tp, on this cp rank's rows, which its cp
+split carries the state over. A layer whose ``config.layer_types`` kind is neither attention nor token-wise and in
 which none was found, or a ``Conv1d`` outside both, is refused by name.
 """
 
@@ -128,7 +129,9 @@ def _gather_layer(
                     f"tp boundaries {inner[:3]}; sequence parallel can run it on the whole sequence only with no "
                     "boundary inside; train this family without sequence_parallel"
                 )
-            if lightning.supports(module):  # its state carried over the pieces: partial gradients, summed
+            # its state carried over the pieces: partial gradients, summed; under cp the rows are cp's
+            # zigzag chunks, which its cp split carries over (run whole on tp)
+            if lightning.supports(module) and ctx.mesh.degree("cp") == 1:
                 lightning.split_sequence(module, group)
             else:
                 _run_whole(module, group)

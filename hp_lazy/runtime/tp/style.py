@@ -111,10 +111,9 @@ class TensorParallelStyle:
         Experts that take each tp rank's own tokens (sequence parallel) make the load-balancing aux
         loss global over tp (and dp: :func:`hp_lazy.runtime.ep.aux.install`)."""
         group = ctx.groups["tp"]
-        if any(_is_region(c) and _token_sharded(c) for _, _, c in ctx.bound):
+        if routes_own_tokens(ctx) and ctx.mesh.degree("cp") == 1:  # under cp, cp's finish adds tp to its own
             over = [group] + ([ctx.mesh.group("dp")] if ctx.mesh.degree("dp") > 1 else [])
-            aux.install(ctx.root, over, ctx.mesh.degree("dp"), aux.pieces(group), under="sequence parallel",
-                        cannot="under context parallel" if ctx.mesh.degree("cp") > 1 else None)
+            aux.install(ctx.root, over, ctx.mesh.degree("dp"), aux.pieces(group), under="sequence parallel")
         for fqn, bound, contract in ctx.bound:
             module = base_of(bound)  # a head PEFT wrapped
             out = contract.out_dst.get("output", {}).get("tp")
@@ -135,6 +134,12 @@ class TensorParallelStyle:
                 )
             setattr(ctx.root, "loss_function", VocabParallelCausalLMLoss(group, group.rank * module.weight.shape[0]))
 
+
+
+def routes_own_tokens(ctx: BindContext) -> bool:
+    """Experts split over tp whose rows arrive cut over tp (sequence parallel): each tp rank routes
+    its own tokens, so the router's statistics are summed over tp."""
+    return any(_is_region(c) and _token_sharded(c) for _, _, c in ctx.bound)
 
 
 def _is_region(contract: Contract) -> bool:
