@@ -34,7 +34,12 @@ the tp boundaries each rank holds half the sequence; the step and the comparison
 ``PlanError`` or ``ShardingError`` that names sequence parallel counts as ``unsupported``, with its
 reason; any other error (a shape error inside the model) is a ``fail``.
 
-    python benchmarks/coverage.py [--families llama,qwen3] [--jobs 1] [--timeout 300] [--out FILE] [--cp 2 | --ep 2 | --sp]
+With ``--cp 2 --sp`` four ranks activate ``hp_lazy.activate("auto", cp=2, tp=2,
+sequence_parallel=True)``: each cp rank's zigzag rows, cut again over its tp pair between the
+boundaries; logits joined with ``gather_sequence`` and compared on every rank, refusals of either
+kind counted as ``unsupported``.
+
+    python benchmarks/coverage.py [--families llama,qwen3] [--jobs 1] [--timeout 300] [--out FILE] [--cp 2 | --ep 2 | --sp | --cp 2 --sp]
 """
 
 from __future__ import annotations
@@ -113,7 +118,7 @@ def precheck(family: str) -> Row | None:
             parts = auto_parts(name, source, AutoFlags(tp=1, ep=_ep()))
             contracts = None if parts is None else parts[0]
         elif _cp() > 1:
-            contracts = auto_contracts(name, source, tp=1, cp=_cp())
+            contracts = auto_contracts(name, source, tp=2 if _sp() else 1, cp=_cp(), sequence_parallel=_sp())
         else:
             contracts = auto_contracts(name, source, tp=2, sequence_parallel=_sp())
     except PlanError as exc:
@@ -407,6 +412,11 @@ def _sp() -> bool:
     return os.environ.get("HP_COVERAGE_SP", "0") == "1"
 
 
+def _world() -> int:
+    """Ranks per family: 4 for cp=2 x tp=2 (``--cp 2 --sp``), else 2."""
+    return 4 if _cp() > 1 and _sp() else 2
+
+
 def _step(model: Any, mode: str, join: Any = None, rows: slice = slice(None)) -> tuple[Any, Any]:
     """One forward + backward on fixed ids (``rows`` of them): (logits or last hidden state, loss).
     ``join`` (context parallel): this rank's rows -> the whole sequence."""
@@ -497,8 +507,8 @@ def child_rank(family: str, workdir: str) -> None:
 
         if _ep() > 1:
             hp_lazy.activate("auto", ep=_ep())
-        elif _cp() > 1:
-            hp_lazy.activate("auto", cp=_cp())
+        elif _cp() > 1:  # with --sp: cp x tp, sequence parallel inside each cp rank's rows
+            hp_lazy.activate("auto", cp=_cp(), tp=2 if _sp() else 1, sequence_parallel=_sp())
         else:
             hp_lazy.activate("auto", tp=2, sequence_parallel=_sp())
         import datetime
@@ -630,13 +640,13 @@ def _run_in(family: str, workdir: str, timeout: float, dtype: str) -> Row:
         return Row(family, "skipped", skip["reason"] if skip else f"reference crashed: {_log_tail(ref_log, ref)}")
     port = str(_free_port())
     procs = [
-        _spawn("rank", family, workdir, _env(dtype, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2",
+        _spawn("rank", family, workdir, _env(dtype, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(_world()),
                                              MASTER_ADDR="127.0.0.1", MASTER_PORT=port),
                os.path.join(workdir, f"rank{r}.log"))
-        for r in range(2)
+        for r in range(_world())
     ]
     finished = _wait(procs, deadline)
-    errors = [e for e in (_read_error(os.path.join(workdir, f"err{r}.json")) for r in range(2)) if e]
+    errors = [e for e in (_read_error(os.path.join(workdir, f"err{r}.json")) for r in range(_world())) if e]
     plan_errors = [e for e in errors if e["kind"] == "plan"]
     if plan_errors:
         return Row(family, "unsupported", plan_errors[0]["reason"])
@@ -644,7 +654,7 @@ def _run_in(family: str, workdir: str, timeout: float, dtype: str) -> Row:
         return Row(family, "fail", errors[0]["reason"])
     if not finished:
         return Row(family, "fail", f"timed out after {timeout:.0f}s (a rank hung in a collective?)")
-    missing = [r for r in range(2) if not os.path.exists(os.path.join(workdir, f"got{r}.pt"))]
+    missing = [r for r in range(_world()) if not os.path.exists(os.path.join(workdir, f"got{r}.pt"))]
     if missing:
         log = os.path.join(workdir, f"rank{missing[0]}.log")
         return Row(family, "fail", f"rank {missing[0]} crashed: {_log_tail(log, procs[missing[0]])}")
@@ -667,7 +677,7 @@ def _compare(family: str, workdir: str) -> Row:
     floor = ref.get("floor", {})
     worst: tuple[float, str] = (0.0, "")
     floored: list[str] = []
-    for r in range(2):
+    for r in range(_world()):
         got = torch.load(os.path.join(workdir, f"got{r}.pt"))
         errs = {"logits/hidden": rel_err(got["out"], ref["out"]), "loss": rel_err(got["loss"], ref["loss"])}
         if r == 0:
@@ -710,9 +720,11 @@ def read_table(path: str) -> dict[str, Row]:
 
 def render(rows: list[Row]) -> str:
     counts = {s: sum(r.status == s for r in rows) for s in STATUSES}
-    mode = "ep=2" if _ep() > 1 else "cp=2" if _cp() > 1 else "tp=2, sequence_parallel=True" if _sp() else "tp=2"
+    mode = ("ep=2" if _ep() > 1 else "cp=2, tp=2, sequence_parallel=True" if _cp() > 1 and _sp() else "cp=2"
+            if _cp() > 1 else "tp=2, sequence_parallel=True" if _sp() else "tp=2")
     out = {"ep=2": "--ep 2 --out benchmarks/coverage_ep.md", "cp=2": "--cp 2 --out benchmarks/coverage_cp.md",
            "tp=2, sequence_parallel=True": "--sp --out benchmarks/coverage_sp.md",
+           "cp=2, tp=2, sequence_parallel=True": "--cp 2 --sp --out benchmarks/coverage_cp_sp.md",
            "tp=2": "--out benchmarks/coverage.md"}[mode]
     plan = "a non-empty `base_model_ep_plan`" if _ep() > 1 else "`base_model_tp_plan`"
     split = (" Under ep each rank feeds one of the reference's 2 rows (data parallel); logits joined over the "
@@ -724,7 +736,7 @@ def render(rows: list[Row]) -> str:
         f"transformers families whose configuration declares {plan}: {len(rows)}; "
         + ", ".join(f"{s} {n}" for s, n in counts.items()) + ".",
         "",
-        "Tiny configs (hidden 32, 2-4 layers, 4 heads, 2 kv heads, vocab 128), 2 gloo ranks on CPU; "
+        f"Tiny configs (hidden 32, 2-4 layers, 4 heads, 2 kv heads, vocab 128), {_world()} gloo ranks on CPU; "
         "logits (or last hidden state), loss and every gradient vs one process, relative max error "
         f"<= {TOL:g}.{split} Generated by `python benchmarks/coverage.py {out}`.",
         "",
@@ -746,7 +758,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="dtype of every run (float64 tells round-off from a wrong gradient)")
     parser.add_argument("--cp", type=int, default=1, choices=(1, 2), help="2: context parallel (cp=2) instead of tp=2")
     parser.add_argument("--ep", type=int, default=1, choices=(1, 2), help="2: expert parallel (ep=2, dp=2) instead of tp=2")
-    parser.add_argument("--sp", action="store_true", help="tp=2 with sequence_parallel=True")
+    parser.add_argument("--sp", action="store_true",
+                        help="tp=2 with sequence_parallel=True (with --cp 2: cp=2 x tp=2 on 4 ranks)")
     parser.add_argument("--update", action="store_true",
                         help="rerun only --families and replace their rows in --out (the other rows kept)")
     parser.add_argument("--_ref", nargs=2, help=argparse.SUPPRESS)
@@ -765,8 +778,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["HP_COVERAGE_CP"] = str(args.cp)
     os.environ["HP_COVERAGE_EP"] = str(args.ep)
     os.environ["HP_COVERAGE_SP"] = "1" if args.sp else "0"
-    if (args.ep > 1) + (args.cp > 1) + args.sp > 1:
-        parser.error("--ep, --cp and --sp are separate sweeps")
+    if (args.ep > 1) + (args.cp > 1) + args.sp > 1 and not (args.cp > 1 and args.sp and args.ep == 1):
+        parser.error("--ep, --cp and --sp are separate sweeps (but --cp 2 --sp: cp=2 x tp=2 with sequence parallel)")
     names = [f for f in args.families.split(",") if f] or families()
     if args.update and not (args.out and args.families):
         parser.error("--update needs --out (the table to update) and --families (the rows to rerun)")

@@ -13,6 +13,13 @@ downloaded). For each sequence length, fresh processes run, alternately, ``--rep
                   through plain autograd, which keeps the gathered K/V of every layer (no
                   re-gather): what the custom function saves, and hp_lazy's previous masked path
 
+With ``--tp 2`` the ranks are cp x tp (``--world`` cp ranks times 2) and the variants are what a
+long-context user picks between on one node:
+
+  cp x tp         ``activate("auto", cp=W, tp=2)``: heads split over tp; the layers' norms, residuals
+                  and MLP inputs whole on every tp rank (this cp rank's rows)
+  cp x tp, sp     ``sequence_parallel=True`` as well: those cut over tp too (``S / (cp * tp)`` rows)
+
 Every rank passes the same full batch (B=1) with labels, of one of three kinds (``--batches``):
 ``plain``; ``packed``, four documents told apart by ``position_ids`` that restart (what a padding-free
 collator passes; one process builds a packed-sequence mask); ``padded``, the first S/8 tokens
@@ -25,6 +32,7 @@ torch's own ``context_parallel`` needs the flash/efficient SDPA kernels (CUDA) a
     python benchmarks/cp_step.py                      # S = 2k, 4k, 8k at cp=2, plain batches (a few minutes, 2 cores)
     python benchmarks/cp_step.py --seqs 8192 --batches packed,padded
     python benchmarks/cp_step.py --seqs 1024,2048 --repeats 1
+    python benchmarks/cp_step.py --seqs 8192 --tp 2     # cp=2 x tp=2 on 4 ranks, with and without sequence parallel
     python benchmarks/cp_step.py --smoke              # S = 64, one repeat of one step: does every variant run?
 """
 
@@ -44,12 +52,14 @@ import _spawn
 from _spawn import collect
 
 VARIANTS = ("one process", "cp", "cp ulysses", "cp, K/V saved")
+TP_VARIANTS = ("one process", "cp x tp", "cp x tp, sp")
 BATCHES = ("plain", "packed", "padded")
 
 
 def _args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--world", type=int, default=2, help="cp ranks")
+    p.add_argument("--tp", type=int, default=1, help="2: cp x tp on world * 2 ranks, with and without sequence parallel")
     p.add_argument("--seqs", default="2048,4096,8192")
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--heads", type=int, default=4)
@@ -191,7 +201,8 @@ def _keep_gathered() -> None:
 
 
 def _worker(
-    rank: int, world: int, variant: str, batch: str, path: str, seq: int, steps: int, port: int, queue: Any
+    rank: int, world: int, variant: str, batch: str, path: str, seq: int, steps: int, port: int, queue: Any,
+    tp: int = 1,
 ) -> None:
     import torch
 
@@ -208,7 +219,8 @@ def _worker(
     torch.set_num_threads(1)
     import hp_lazy
 
-    hp_lazy.activate("auto", cp=world, cp_mode="ulysses" if variant == "cp ulysses" else "allgather")
+    hp_lazy.activate("auto", cp=world // tp, tp=tp, sequence_parallel=variant.endswith(", sp"),
+                     cp_mode="ulysses" if variant == "cp ulysses" else "allgather")
     import torch.distributed as dist
     import transformers
 
@@ -229,8 +241,9 @@ def _launch(args: argparse.Namespace, variant: str, batch: str, path: str, seq: 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ranks = 1 if variant == "one process" else args.world
-    procs = [ctx.Process(target=_worker, args=(r, args.world, variant, batch, path, seq, args.steps, port, queue))
+    world = args.world * args.tp
+    ranks = 1 if variant == "one process" else world
+    procs = [ctx.Process(target=_worker, args=(r, world, variant, batch, path, seq, args.steps, port, queue, args.tp))
              for r in range(ranks)]
     for p in procs:
         p.start()
@@ -245,8 +258,10 @@ def main(argv: list[str] | None = None) -> int:
     seqs = [int(s) for s in args.seqs.split(",")]
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    world = args.world * args.tp
+    shape = f"cp={args.world}" + (f" x tp={args.tp}" if args.tp > 1 else "")
     lines = [
-        f"cp={args.world} on {args.world} ranks vs one process ({args.world} threads); "
+        f"{shape} on {world} ranks vs one process ({world} threads); "
         f"{MODELS[args.model]} "
         f"hidden {args.hidden}, "
         f"{args.layers} layers, {args.heads} heads ({args.kv_heads} K/V), batch 1, fp32, {args.steps} steps x "
@@ -261,7 +276,8 @@ def main(argv: list[str] | None = None) -> int:
         for seq in seqs:
             path = _build(args, root, seq)
             for batch in args.batches.split(","):
-                variants = [v for v in VARIANTS if args.model == "llama" or v != "cp, K/V saved"]
+                variants = list(TP_VARIANTS) if args.tp > 1 else [
+                    v for v in VARIANTS if args.model == "llama" or v != "cp, K/V saved"]
                 runs: dict[str, list[tuple[float, int, int]]] = {v: [] for v in variants}
                 for _ in range(args.repeats):
                     for variant in variants:

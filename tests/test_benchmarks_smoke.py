@@ -106,6 +106,13 @@ def test_cp_step_hybrid_smoke(tmp_path: Path, model: str) -> None:
     assert all(re.fullmatch(r"[\d.]+", r[3]) for r in rows), rows
 
 
+def test_cp_step_tp_smoke(tmp_path: Path) -> None:
+    """cp=2 x tp=2 on 4 ranks, with and without sequence parallel."""
+    rows = _rows(_run("cp_step.py", tmp_path, "--tp", "2"))
+    assert sorted(r[2] for r in rows) == ["cp x tp", "cp x tp, sp", "one process"], rows
+    assert all(re.fullmatch(r"[\d.]+", r[3]) for r in rows), rows
+
+
 def test_step_time_olmo2_smoke(tmp_path: Path) -> None:
     """OLMo 2 (q/k norms over every head): hp_lazy and transformers' gathered plan run and match one
     process; the Llama-only recipes say why they are skipped."""
