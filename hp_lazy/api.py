@@ -222,13 +222,14 @@ def full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def expert_load(model: nn.Module) -> dict[str, torch.Tensor]:
     """Router FQN -> per-expert token counts ``[E]`` (int64) of the last forward over the global
-    batch: summed over the ranks holding different tokens (``dp * cp``), equal on every rank; one
+    batch: summed over the ranks holding different tokens (``dp * cp``, and tp under sequence
+    parallel, whose tp ranks dispatch their own pieces), equal on every rank; one
     all-reduce for all layers (a collective). For aux-loss-free balancing of ``e_score_correction_bias``
     under expert parallel: counts from this rank's own top-k indices differ between ranks."""
     from hp_lazy.runtime.ep import load
 
     loads = load.recorded(model)
-    return load.summed(loads, mesh().group_of(("dp", "cp")))
+    return load.summed(loads, mesh().group_of(load.token_axes(model)))
 
 
 def gather_sequence(tensor: torch.Tensor, dim: int = 1) -> torch.Tensor:

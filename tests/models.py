@@ -163,6 +163,14 @@ MORE_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
                                        "linear_conv_kernel_dim": 4, "num_experts": 4, "num_experts_per_tok": 2,
                                        "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
                                        "layer_types": ["linear_attention", "full_attention"]}),
+    # Kimi Linear: layer 0 KDA, layer 1 MLA attention, which its TP plan leaves out (the MLPs are planned)
+    "kimi_linear": ("KimiLinearConfig", {"head_dim": 8, "num_key_value_heads": 4, "kv_lora_rank": 16,
+                                         "q_lora_rank": None, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4,
+                                         "v_head_dim": 8, "linear_head_dim": 8, "linear_num_heads": 4,
+                                         "num_experts": 4, "num_experts_per_token": 2, "moe_intermediate_size": 32,
+                                         "layer_types": ["linear_attention", "full_attention"],
+                                         "mlp_layer_types": ["dense", "dense"], "pad_token_id": 0,
+                                         "bos_token_id": 1, "eos_token_id": 2}),
     # the same with layer 1's MLP dense: every contract of the plan finds a module (an explicit plan's rule)
     "qwen3_next_dense": ("Qwen3NextConfig", {"head_dim": 8, "num_key_value_heads": 2, "linear_num_key_heads": 2,
                                              "linear_num_value_heads": 4, "linear_key_head_dim": 8,

@@ -44,6 +44,14 @@ def test_cp2_tp2_sp(pool: DistPool, root: str, name: str, kind: str) -> None:
     cpwork.check(_ready(pool), models.build(name, root), cpwork.batch(kind))
 
 
+def test_attention_the_tp_plan_leaves_out_cp2_tp2_sp(pool: DistPool, root: str) -> None:
+    """Kimi Linear's MLA attention carries cp's op alone (its TP plan names the MLPs only): under sp its
+    contract gathers this cp rank's rows over tp and cuts its output back (it ran on the tp piece:
+    refused as keys from outside the sequence); KDA beside it."""
+    path, data = models.build("kimi_linear", root), cpwork.batch("padded")
+    cpwork.check(_ready(pool), path, data, cpwork.chunking_floor(path, data))
+
+
 @pytest.mark.parametrize("kind", ["padded", "packed"])
 def test_qwen3_next_cp2_tp2_sp(pool: DistPool, root: str, kind: str) -> None:
     """Gated DeltaNet in a module the plan runs whole on tp; its padding mask is this cp rank's rows."""

@@ -327,6 +327,30 @@ def test_moe_experts_are_split_by_expert_over_tp_and_dense_slots_pick_their_clas
     assert plan.classes["model.layers.*.mlp.experts"] == "Qwen3MoeExperts"
 
 
+def test_experts_under_ep_and_sequence_parallel_take_their_own_rows() -> None:
+    """Experts split over ep inside the sequence-split stack: each tp rank's own rows in and out
+    (S(0) on tp, nothing moved over tp), dispatched over ep; the plan check passes them (the slice)."""
+    plan = Plan.auto(tp=2, ep=2, sequence_parallel=True).slice(*source("qwen3_moe"))
+    body = plan.contract("model.layers.*.mlp.experts").to_dict()
+    rows = {name: {"tp": "S(0)"} for name in ("hidden_states", "top_k_index", "top_k_weights")}
+    assert body["in_src"] == body["in_dst"] == rows
+    assert body["out_src"] == body["out_dst"] == {"output": {"tp": "S(0)"}}
+    assert body["region"] == {"kind": "ep_dispatch"} and body["params"] == {
+        "down_proj": {"ep": "S(0)"}, "gate_up_proj": {"ep": "S(0)"}}
+
+
+def test_attention_the_tp_plan_leaves_out_runs_on_the_cp_rows_under_sp() -> None:
+    """Kimi Linear's TP plan names no attention projection: under cp its MLA attention carries cp's op
+    alone, and with sequence parallel that contract gathers the tp pieces (this cp rank's rows) in
+    and cuts the output back."""
+    got = contracts("kimi_linear", tp=2, cp=2, sequence_parallel=True)["model.layers.*.self_attn"]
+    assert got == {"in_src": {"hidden_states": {"tp": "S(1)"}}, "in_dst": {"hidden_states": R},
+                   "out_src": {"output": R}, "out_dst": {"output": {"tp": "S(1)"}},
+                   "inner": {"call": "attention", "kind": "cp_allgather_kv"}}
+    assert contracts("kimi_linear", tp=2, cp=2)["model.layers.*.self_attn"] == {
+        "inner": {"call": "attention", "kind": "cp_allgather_kv"}}
+
+
 def test_experts_under_sequence_parallel_take_every_rank_rows() -> None:
     """Inside the sequence-split layer stack the experts' rows (and their top-k ids and weights)
     arrive cut over tp: gathered in, the partial sums reduce-scattered out."""

@@ -335,11 +335,6 @@ def parse_auto(data: object) -> AutoFlags:
             f"cp_mode='allgather' (K/V all-gathered along the sequence)"
         )
     ep = check_degree("plan.auto.ep", body.get("ep", 1), "ep=2")
-    if ep > 1 and flags["sequence_parallel"]:
-        raise PlanError(
-            f"plan.auto: ep={ep} together with sequence_parallel is not supported yet (the MoE block would see "
-            "sequence-sharded tokens replicated experts-TP does not expect); use ep with sequence_parallel=False"
-        )
     return AutoFlags(tp=tp, **flags, cp=cp, cp_mode=mode, ep=ep)
 
 

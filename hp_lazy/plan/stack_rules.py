@@ -38,8 +38,9 @@ def check_stacks(contracts: Sequence[Contract], mesh: Mapping[str, int]) -> None
 
 
 def is_stack(contract: Contract) -> bool:
-    """Scatters on entry and gathers on exit along the same dim, on some axis."""
-    return any(
+    """Scatters on entry and gathers on exit along the same dim, on some axis (an experts region
+    that takes and gives this rank's rows, ``S(0)``, under sequence parallel does neither)."""
+    return contract.region is None and any(
         isinstance(contract.placement("in_dst", name, axis), Shard)
         and contract.placement("in_dst", name, axis) == contract.placement("out_src", "output", axis)
         for name in contract.in_dst for axis in contract.in_dst[name]
@@ -165,9 +166,10 @@ def _check_inside_region(contract: Contract, region: Contract, stack: Contract) 
 
 
 def held(contract: Contract, shard: Placement) -> Placement:
-    """How ``contract`` receives a stack's sequence shard: as it is, or, for experts split by expert
-    over tp (``tp_experts``), as rows ``S(0)``: the experts take the layer's tokens flattened
-    (``[B * S / tp, H]``) and treat every row alike, so this rank's rows are its sequence shard."""
-    if contract.region is not None and contract.region.kind == "tp_experts" and isinstance(shard, Shard):
+    """How ``contract`` receives a stack's sequence shard: as it is, or, for an experts region (split
+    by expert over tp, ``tp_experts``, or over ep, ``ep_dispatch``), as rows ``S(0)``: the experts
+    take the layer's tokens flattened (``[B * S / tp, H]``) and treat every row alike, so this rank's
+    rows are its sequence shard."""
+    if contract.region is not None and isinstance(shard, Shard):
         return Shard(0)
     return shard

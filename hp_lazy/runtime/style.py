@@ -20,6 +20,7 @@ from torch import nn
 
 from hp_lazy.plan.fqn import compile_glob, is_glob
 from hp_lazy.plan.model import Contract, ModulePlan
+from hp_lazy.plan.placement import Shard
 from hp_lazy.runtime import adapters
 from hp_lazy.runtime.layout import LayoutTable, ParamLayout
 from hp_lazy.runtime.mesh import Group, Mesh
@@ -99,3 +100,10 @@ def params_matching(module: nn.Module, name: str) -> list[tuple[str, nn.Paramete
 def get_param(module: nn.Module, name: str) -> nn.Parameter | None:
     found = adapters.resolve(module, name)
     return None if found is None else found[0]._parameters.get(found[1])
+
+
+def routes_own_tokens(ctx: BindContext) -> bool:
+    """Experts (split over tp or over ep) whose rows arrive cut over tp (sequence parallel): each tp
+    rank routes its own tokens, so the router's statistics are summed over tp."""
+    return any(c.region is not None and any(isinstance(c.placement("in_src", n, "tp"), Shard) for n in c.in_src)
+               for _, _, c in ctx.bound)

@@ -6,7 +6,8 @@ and the decoder layers' ``nn.ModuleList`` gets a container contract that cuts th
 way in, gathers it on the way out and sums the replicated norms' gradients over tp.
 
 Experts split by expert over tp take every tp rank's rows: their inputs are gathered along the
-rows and their output reduce-scattered back (:func:`_token_sharded`).
+rows and their output reduce-scattered back (:func:`_token_sharded`). Experts split over ep take
+each tp rank's own rows and dispatch them over the ep group (:func:`_own_rows`).
 
 A per-Linear gather or split inside a layer (``colwise_gather_output`` / ``rowwise_split_input``:
 Phi-3's fused ``qkv_proj``, Qwen3.5's and Qwen3-Next's Gated DeltaNet projections) needs every
@@ -27,9 +28,10 @@ from __future__ import annotations
 
 import ast
 
+from hp_lazy.errors import PlanError
 from hp_lazy.plan.auto.draft import Draft, Entry
 from hp_lazy.plan.auto.rules import Rule
-from hp_lazy.plan.resolve import resolve_pattern
+from hp_lazy.plan.resolve import forward_params, resolve_pattern
 
 CONTAINER_BODY = {
     "in_src": {"input": {"tp": "R"}}, "in_dst": {"input": {"tp": "S(1)"}},
@@ -55,9 +57,49 @@ def apply(draft: Draft) -> None:
             entry.body["out_dst"]["output"] = {"tp": "S(1)"}
             _container(draft, entry.rule)
     stacks = [pattern for pattern, entry in draft.entries.items() if entry.kind == "container"]
+    _cp_attention_whole(draft, stacks, regions)
     for pattern, entry in draft.entries.items():
         if entry.kind == "tp_experts" and _inside(pattern, stacks) and not _inside(pattern, regions):
             _token_sharded(entry)  # experts outside any split stack (GPT-OSS: no boundary but them) stay tp's
+        elif entry.kind == "experts" and _inside(pattern, stacks) and not _inside(pattern, regions):
+            _own_rows(draft, entry)
+
+
+def _cp_attention_whole(draft: Draft, stacks: list[str], regions: list[str]) -> None:
+    """An attention module in the layers that the TP plan leaves out carries cp's op alone (the cp
+    preset's contract, :mod:`.cp`). Under sequence parallel it must see this cp rank's rows, not the
+    tp piece: its contract gathers them over tp on the way in and cuts its output back (as
+    :mod:`hp_lazy.runtime.sp.mixers` does for an attention module no contract names). Refused where
+    its class's first input cannot be read."""
+    for pattern, entry in list(draft.entries.items()):
+        if entry.kind != "attention" or set(entry.body) != {"inner"} or not _inside(pattern, stacks) \
+                or _inside(pattern, regions):
+            continue
+        cls = draft.classes.get(pattern)
+        forward = draft.facts.forward(cls) if cls is not None else None
+        params = forward_params(forward) if forward is not None else []
+        if not params:
+            raise PlanError(f"{draft.facts.module}: {pattern!r} ({cls}) is an attention module context parallel "
+                            "splits, which sequence_parallel must run on this cp rank's rows gathered over tp, but its "
+                            "forward's first input cannot be read; train it without sequence_parallel")
+        x = params[0]
+        entry.body = {"in_src": {x: {"tp": "S(1)"}}, "in_dst": {x: {"tp": "R"}}, "out_src": {"output": {"tp": "R"}},
+                      "out_dst": {"output": {"tp": "S(1)"}}, "inner": entry.body["inner"]}
+
+
+def _own_rows(draft: Draft, entry: Entry) -> None:
+    """Experts split over ep inside a sequence-split stack: each tp rank holds other tokens and
+    dispatches its own rows over its ep group (``S(0)`` on tp in and out: nothing moves over tp).
+    Experts also cut on tp (5.24's ``moe_tp_experts`` under ep) need every tp rank's rows: refused."""
+    cut = sorted(name for name, axes in entry.body.get("params", {}).items() if "tp" in axes)
+    if cut and entry.rule is not None:
+        draft.fail(entry.rule, f"cuts the experts {cut} on tp as well as on ep (5.24-style experts-TP), whose "
+                   "slices need every tp rank's tokens, which sequence_parallel cuts; this is not supported together "
+                   "with sequence_parallel yet")
+    for side in ("in_src", "in_dst"):
+        for x in entry.body[side]:
+            entry.body[side][x] = {"tp": "S(0)"}
+    entry.body["out_src"]["output"] = entry.body["out_dst"]["output"] = {"tp": "S(0)"}
 
 
 def _inside(pattern: str, outer: list[str]) -> bool:

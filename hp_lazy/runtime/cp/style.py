@@ -45,8 +45,7 @@ from hp_lazy.runtime.ep import aux
 from hp_lazy.runtime.leaves import calls_attention
 from hp_lazy.runtime.mesh import Group
 from hp_lazy.runtime.sp.mixers import split_stacks
-from hp_lazy.runtime.style import BindContext
-from hp_lazy.runtime.tp.style import routes_own_tokens
+from hp_lazy.runtime.style import BindContext, routes_own_tokens
 
 ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention", positions.CHUNKED})
 TOKENWISE_LAYERS = frozenset({"mlp", "moe"})

@@ -66,6 +66,15 @@ class Dispatch:
     split: Group | None = None
     """The tp group, when its ranks hold the same tokens and whole (tp-replicated) experts: each
     dispatches its share of the tokens (:func:`split_tokens`)."""
+    pieces: Group | None = None
+    """The tp group, when its ranks hold other tokens (sequence parallel) and whole experts: each
+    dispatches its own rows (:func:`dispatch`), as a ``split`` rank does its share."""
+
+    @property
+    def tp_tokens(self) -> Group | None:
+        """The tp group where its ranks dispatch different rows to the same experts (their
+        gradients summed over tp), else None."""
+        return self.split if self.split is not None else self.pieces
 
 
 class ExpertDispatch(_Module):
@@ -83,7 +92,7 @@ class ExpertDispatch(_Module):
                     f"{', '.join(spec.routing)}), got {len(args)} more positional and keywords {sorted(kwargs)}"
                 )
             index, weights = routing[spec.routing[0]], routing[spec.routing[1]]
-        run = keep_local if spec.local else split_tokens if spec.split is not None else dispatch
+        run = keep_local if spec.local else split_tokens if spec.split is not None else dispatch  # pieces: own rows
         return _eager(run, self, super().forward, spec, hidden_states, index, weights)
 
 

@@ -6,7 +6,8 @@ tokens, so loads counted from its own top-k indices differ between ranks and the
 buffers drift apart, silently. The ep region (:mod:`.dispatch`) already counts the (token, slot)
 pairs per global expert before it sends them (``counts[E]``, step 2); it keeps them on the experts
 module (no numerics change), and :func:`expert_load` sums them over the ranks holding different
-tokens (``dp * cp``; the tp ranks of a group dispatch the same tokens, so they are not summed) in
+tokens (``dp * cp``; the tp ranks of a group dispatch the same tokens, so they are not summed,
+except under sequence parallel, where each dispatches its own piece: :func:`token_axes`) in
 one all-reduce for every layer: one process's counts over the global batch, on every rank.
 
 ``{router FQN: counts[E] (int64)}``: the router is the sibling of the experts module whose 2-D
@@ -46,6 +47,12 @@ def recorded(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
             f"{len(experts)} experts modules without a load); call hp_lazy.expert_load(model) after model(**batch)"
         )
     return [(_router(model, fqn, m), m.__dict__[EP_LOAD]) for fqn, m in experts]
+
+
+def token_axes(model: nn.Module) -> tuple[str, ...]:
+    """The mesh axes whose ranks count different tokens in ``model``'s ep regions."""
+    pieces = any(m.__dict__[EP_DISPATCH].pieces is not None for m in model.modules() if EP_DISPATCH in m.__dict__)
+    return ("dp", "cp", "tp") if pieces else ("dp", "cp")
 
 
 def summed(loads: list[tuple[str, torch.Tensor]], tokens: Group) -> dict[str, torch.Tensor]:

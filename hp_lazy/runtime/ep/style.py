@@ -47,7 +47,7 @@ from hp_lazy.runtime.binding import Binding
 from hp_lazy.runtime.ep import aux
 from hp_lazy.runtime.ep.dispatch import Dispatch, ExpertDispatch
 from hp_lazy.runtime.mesh import EDP, EDP_TP, Group
-from hp_lazy.runtime.style import BindContext, params_matching
+from hp_lazy.runtime.style import BindContext, params_matching, routes_own_tokens
 
 FORWARD = ("hidden_states", "top_k_index", "top_k_weights")
 ALIASES = (("hidden_states",), ("top_k_index", "router_indices"), ("top_k_weights", "routing_weights"))
@@ -161,14 +161,15 @@ def check_region(fqn: str, module: nn.Module, contract: Contract, region: Region
             )
 
 
-def mount(module: nn.Module, group: Group, *, local: bool, split: Group | None = None) -> None:
+def mount(module: nn.Module, group: Group, *, local: bool, split: Group | None = None,
+          pieces: Group | None = None) -> None:
     """The region's spec on the module; ``num_experts`` becomes the count this rank runs (the
     class's own kernels index its slice with local ids)."""
     total: int = module.num_experts  # type: ignore[assignment]
     routing = _forward_names(module)[1:]
     module.__dict__[EP_DISPATCH] = Dispatch(
         group=group, num_local=total // group.size, num_global=total, routing=routing,  # type: ignore[arg-type]
-        local=local, split=split,
+        local=local, split=split, pieces=pieces,
     )
     setattr(module, "num_experts", total // group.size)
 
@@ -208,8 +209,10 @@ class ExpertParallelStyle:
             return
         tp = ctx.groups.get("tp")
         cut_on_tp = any(isinstance(axes.get("tp"), Shard) for axes in contract.params.values())
-        split = tp if tp is not None and tp.size > 1 and not cut_on_tp else None  # whole experts: share the tokens
-        mount(module, ctx.groups["ep"], local=False, split=split)
+        whole = tp if tp is not None and tp.size > 1 and not cut_on_tp else None
+        # sequence parallel: rows cut over tp, each tp rank's own; else the tp ranks share the same tokens
+        own = any(isinstance(contract.placement("in_src", n, "tp"), Shard) for n in contract.in_src)
+        mount(module, ctx.groups["ep"], local=False, split=None if own else whole, pieces=whole if own else None)
         self.experts.append((fqn, module, _whole(module, contract)))
 
     def attach(self, fqn: str, module: nn.Module, binding: Binding, ctx: BindContext) -> bool:
@@ -229,13 +232,13 @@ class ExpertParallelStyle:
             whole = _whole(module, contract)
             for name, param in module.named_parameters():
                 if name not in whole:
-                    ctx.add_partial(param, EDP_TP if spec.split is not None else EDP)
-                elif spec.split is not None:  # a tp rank's share of the tokens: summed over tp, dp-averaged
+                    ctx.add_partial(param, EDP_TP if spec.tp_tokens is not None else EDP)
+                elif spec.tp_tokens is not None:  # a tp rank's share of the tokens: summed over tp, dp-averaged
                     ctx.add_partial(param, "tp")
 
     def finish(self, ctx: BindContext) -> None:
         if not self.experts:
             return
-        if ctx.mesh.degree("cp") > 1:
-            return  # context parallel's finish makes it global over cp and dp
+        if ctx.mesh.degree("cp") > 1 or routes_own_tokens(ctx):
+            return  # context parallel's finish makes it global over cp and dp; sequence parallel's over tp and dp
         aux.install(ctx.root, [ctx.mesh.group("dp")], ctx.mesh.degree("dp"), under="expert parallel")

@@ -27,7 +27,7 @@ from hp_lazy.runtime.ep import aux
 from hp_lazy.runtime.ep.style import attach_region, check_region, mount
 from hp_lazy.runtime.layout import plan_layout, shard_in_place
 from hp_lazy.runtime.sp.stack import scatters_output, sequence_sharded_params
-from hp_lazy.runtime.style import BindContext, params_matching
+from hp_lazy.runtime.style import BindContext, params_matching, routes_own_tokens
 from hp_lazy.runtime.tp.embedding import install_vocab_parallel, vocab_sharded
 from hp_lazy.runtime.tp.heads import check_projections, fit_attention_heads, kv_replicas
 from hp_lazy.runtime.tp.loss import VocabParallelCausalLMLoss
@@ -134,12 +134,6 @@ class TensorParallelStyle:
                 )
             setattr(ctx.root, "loss_function", VocabParallelCausalLMLoss(group, group.rank * module.weight.shape[0]))
 
-
-
-def routes_own_tokens(ctx: BindContext) -> bool:
-    """Experts split over tp whose rows arrive cut over tp (sequence parallel): each tp rank routes
-    its own tokens, so the router's statistics are summed over tp."""
-    return any(_is_region(c) and _token_sharded(c) for _, _, c in ctx.bound)
 
 
 def _is_region(contract: Contract) -> bool:
