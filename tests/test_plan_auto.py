@@ -329,7 +329,14 @@ def test_moe_experts_are_split_by_expert_over_tp_and_dense_slots_pick_their_clas
 
 def test_experts_under_ep_and_sequence_parallel_take_their_own_rows() -> None:
     """Experts split over ep inside the sequence-split stack: each tp rank's own rows in and out
-    (S(0) on tp, nothing moved over tp), dispatched over ep; the plan check passes them (the slice)."""
+    (S(0) on tp, nothing moved over tp), dispatched over ep; the plan check passes them (the slice).
+    On transformers 5.24, whose TP plan still cuts them on tp, refused by name."""
+    if "moe_tp_experts" in source("qwen3_moe")[1] or "moe_tp_experts" in str(
+            transformers.Qwen3MoeConfig.base_model_tp_plan):  # 5.24: the experts cut on tp too, refused
+        with pytest.raises(PlanError, match=r"cuts the experts \['down_proj', 'gate_up_proj'\] on tp as well as on "
+                           r"ep \(5.24-style experts-TP\), whose slices need every tp rank's tokens"):
+            Plan.auto(tp=2, ep=2, sequence_parallel=True).slice(*source("qwen3_moe"))
+        return
     plan = Plan.auto(tp=2, ep=2, sequence_parallel=True).slice(*source("qwen3_moe"))
     body = plan.contract("model.layers.*.mlp.experts").to_dict()
     rows = {name: {"tp": "S(0)"} for name in ("hidden_states", "top_k_index", "top_k_weights")}
@@ -337,6 +344,22 @@ def test_experts_under_ep_and_sequence_parallel_take_their_own_rows() -> None:
     assert body["out_src"] == body["out_dst"] == {"output": {"tp": "S(0)"}}
     assert body["region"] == {"kind": "ep_dispatch"} and body["params"] == {
         "down_proj": {"ep": "S(0)"}, "gate_up_proj": {"ep": "S(0)"}}
+
+
+def test_an_explicit_plan_cutting_own_rows_experts_on_tp_is_refused() -> None:
+    """The same layout written out with the experts also cut on tp: each rank's own rows cannot meet a
+    tp slice of the experts (every tp rank's rows would be needed), refused by the plan check."""
+    if "moe_tp_experts" in str(transformers.Qwen3MoeConfig.base_model_tp_plan):
+        pytest.skip("transformers 5.24: Plan.auto refuses ep with sequence parallel here already")
+    sliced = Plan.auto(tp=2, ep=2, sequence_parallel=True).slice(*source("qwen3_moe"))
+    bodies = {c.pattern: c.to_dict() for c in sliced.contracts}
+    experts = bodies["model.layers.*.mlp.experts"]
+    experts["params"] = {name: {**axes, "tp": "S(1)"} for name, axes in experts["params"].items()}
+    plan = Plan.from_dict({"version": 1, "mesh": dict(sliced.mesh), "modules": [sliced.module], "boundaries": bodies,
+                           "boundary_classes": dict(sliced.classes)})
+    with pytest.raises(PlanError, match=r"^model.layers.\*.mlp.experts: in_dst\['hidden_states'\] is S\(0\) on tp, "
+                       r"but its body computes with parameters sharded on that axis from whole values"):
+        plan.slice(*source("qwen3_moe"))
 
 
 def test_attention_the_tp_plan_leaves_out_runs_on_the_cp_rows_under_sp() -> None:

@@ -19,7 +19,10 @@ every style, :mod:`hp_lazy.runtime.style`):
   whole (5.25's plans), each tp rank dispatches its own share of the tokens and the outputs are
   gathered over tp (:func:`~hp_lazy.runtime.ep.dispatch.split_tokens`: all-to-all rows per rank
   1/tp of the former; the experts' gradients are then summed over ``"edp+tp"``, the whole
-  parameters' over tp);
+  parameters' over tp). Under sequence parallel the region's rows arrive cut over tp (``S(0)``:
+  each tp rank's piece of the sequence), so each tp rank dispatches its own rows (``pieces``: no
+  share to cut, no output to join) with the same gradient rules; experts also cut on tp are
+  refused there by the plan (``Plan.auto``'s sp preset; an explicit plan by the consistency check);
 - ``gradients``: the expert shards' gradients are summed over the expert-data-parallel ranks only
   (:func:`hp_lazy.runtime.grads.rules_for`); the router and shared experts stay replicated and
   are averaged over dp like every dense parameter, and so are the parameters the region keeps
