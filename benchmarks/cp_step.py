@@ -18,7 +18,7 @@ long-context user picks between on one node:
 
   cp x tp         ``activate("auto", cp=W, tp=2)``: heads split over tp; the layers' norms, residuals
                   and MLP inputs whole on every tp rank (this cp rank's rows)
-  cp x tp, sp     ``sequence_parallel=True`` as well: those cut over tp too (``S / (cp * tp)`` rows)
+  cp x tp+sp     ``sequence_parallel=True`` as well: those cut over tp too (``S / (cp * tp)`` rows)
 
 Every rank passes the same full batch (B=1) with labels, of one of three kinds (``--batches``):
 ``plain``; ``packed``, four documents told apart by ``position_ids`` that restart (what a padding-free
@@ -52,7 +52,7 @@ import _spawn
 from _spawn import collect
 
 VARIANTS = ("one process", "cp", "cp ulysses", "cp, K/V saved")
-TP_VARIANTS = ("one process", "cp x tp", "cp x tp, sp")
+TP_VARIANTS = ("one process", "cp x tp", "cp x tp+sp")
 BATCHES = ("plain", "packed", "padded")
 
 
@@ -219,7 +219,7 @@ def _worker(
     torch.set_num_threads(1)
     import hp_lazy
 
-    hp_lazy.activate("auto", cp=world // tp, tp=tp, sequence_parallel=variant.endswith(", sp"),
+    hp_lazy.activate("auto", cp=world // tp, tp=tp, sequence_parallel=variant.endswith("+sp"),
                      cp_mode="ulysses" if variant == "cp ulysses" else "allgather")
     import torch.distributed as dist
     import transformers

@@ -11,6 +11,9 @@ weights, seed 0, nothing downloaded). Fresh processes run, alternately, ``--repe
                 2 tp ranks, each group its ``batch / (W/2)`` rows; each tp rank dispatches half of
                 its group's rows and the outputs are gathered over tp (5.25's plans leave the
                 experts whole on tp; ep splits them)
+  ep x tp+sp   (W >= 4) the same with ``sequence_parallel=True``: between the boundaries each tp
+                rank holds half its group's sequence, and dispatches those rows (nothing gathered
+                over tp at the experts; the attention and MLP boundaries gather and reduce-scatter)
   experts-TP    ``hp_lazy.activate("auto", tp=W)``: every rank runs the whole batch through its
                 ``1 / W`` of the experts, whole (region ``tp_experts``; the exit all-reduce sums the
                 ranks' parts; the same bytes as cutting every expert's width)
@@ -59,19 +62,20 @@ from typing import Any
 import _spawn
 from _spawn import collect
 
-VARIANTS = ("one process", "ep", "ep x tp", "experts-TP", "transformers ep_plan")
+VARIANTS = ("one process", "ep", "ep x tp", "ep x tp+sp", "experts-TP", "transformers ep_plan")
+TP_GROUPS = ("ep x tp", "ep x tp+sp")  # W/2 data-parallel groups of 2 tp ranks
 SPLIT = ("ep", "transformers ep_plan")  # variants where every rank feeds its batch / W rows
 
 
 def variants(world: int, chosen: str = "") -> tuple[str, ...]:
     """The variants to run (``chosen``, a comma list, or all; "one process" always, the baseline);
-    ``ep x tp`` (ep = W/2, tp = 2) needs W >= 4."""
+    ``ep x tp`` (ep = W/2, tp = 2; with or without sp) needs W >= 4."""
     names = [v.strip() for v in chosen.split(",") if v.strip()]
     unknown = sorted(set(names) - set(VARIANTS))
     if unknown:
         raise SystemExit(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
     return tuple(v for v in VARIANTS if (not names or v in names or v == "one process")
-                 and (v != "ep x tp" or (world >= 4 and world % 2 == 0)))
+                 and (v not in TP_GROUPS or (world >= 4 and world % 2 == 0)))
 
 
 def _args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -159,7 +163,7 @@ def _worker(rank: int, world: int, variant: str, path: str, args: argparse.Names
     if variant in SPLIT:
         per = args.batch // world
         ids = ids[rank * per : (rank + 1) * per]
-    if variant == "ep x tp":  # dp = W/2 groups of 2 tp ranks (tp innermost): each group its batch / (W/2) rows
+    if variant in TP_GROUPS:  # dp = W/2 groups of 2 tp ranks (tp innermost): each group its batch / (W/2) rows
         per = args.batch // (world // 2)
         ids = ids[rank // 2 * per : (rank // 2 + 1) * per]
     if variant == "transformers ep_plan":
@@ -171,7 +175,8 @@ def _worker(rank: int, world: int, variant: str, path: str, args: argparse.Names
         return
     import hp_lazy
 
-    axes = {"ep": {"ep": world}, "ep x tp": {"ep": world // 2, "tp": 2}}.get(variant, {"tp": world})
+    axes = {"ep": {"ep": world}, "ep x tp": {"ep": world // 2, "tp": 2},
+            "ep x tp+sp": {"ep": world // 2, "tp": 2, "sequence_parallel": True}}.get(variant, {"tp": world})
     hp_lazy.activate("auto", **axes)
     import torch.distributed as dist
     import transformers

@@ -92,10 +92,13 @@ def test_release_check_smoke(tmp_path: Path) -> None:
 
 
 def test_ep_step_ep_x_tp_smoke(tmp_path: Path) -> None:
-    """ep=2 x tp=2 on 4 ranks: its loss is one process's and it moves all-to-all rows."""
-    rows = {r[0]: r for r in _rows(_run("ep_step.py", tmp_path, "--world", "4", "--variants", "ep x tp"))}
-    assert set(rows) == {"one process", "ep x tp"}, rows
-    assert float(rows["ep x tp"][3]) <= 1e-4 and "all_to_all" in rows["ep x tp"][4], rows
+    """ep=2 x tp=2 on 4 ranks, with and without sequence parallel: its loss is one process's and it
+    moves all-to-all rows."""
+    rows = {r[0]: r for r in _rows(_run("ep_step.py", tmp_path, "--world", "4", "--variants",
+                                                   "ep x tp,ep x tp+sp"))}
+    assert set(rows) == {"one process", "ep x tp", "ep x tp+sp"}, rows
+    for variant in ("ep x tp", "ep x tp+sp"):
+        assert float(rows[variant][3]) <= 1e-4 and "all_to_all" in rows[variant][4], rows
 
 
 @pytest.mark.parametrize("model", ["qwen3_next", "jamba", "minimax"])
@@ -109,7 +112,7 @@ def test_cp_step_hybrid_smoke(tmp_path: Path, model: str) -> None:
 def test_cp_step_tp_smoke(tmp_path: Path) -> None:
     """cp=2 x tp=2 on 4 ranks, with and without sequence parallel."""
     rows = _rows(_run("cp_step.py", tmp_path, "--tp", "2"))
-    assert sorted(r[2] for r in rows) == ["cp x tp", "cp x tp, sp", "one process"], rows
+    assert sorted(r[2] for r in rows) == ["cp x tp", "cp x tp+sp", "one process"], rows
     assert all(re.fullmatch(r"[\d.]+", r[3]) for r in rows), rows
 
 
