@@ -18,7 +18,7 @@ long-context user picks between on one node:
 
   cp x tp         ``activate("auto", cp=W, tp=2)``: heads split over tp; the layers' norms, residuals
                   and MLP inputs whole on every tp rank (this cp rank's rows)
-  cp x tp+sp     ``sequence_parallel=True`` as well: those cut over tp too (``S / (cp * tp)`` rows)
+  cp x tp+sp      ``sequence_parallel=True`` as well: those cut over tp too (``S / (cp * tp)`` rows)
 
 Every rank passes the same full batch (B=1) with labels, of one of three kinds (``--batches``):
 ``plain``; ``packed``, four documents told apart by ``position_ids`` that restart (what a padding-free

@@ -11,7 +11,7 @@ weights, seed 0, nothing downloaded). Fresh processes run, alternately, ``--repe
                 2 tp ranks, each group its ``batch / (W/2)`` rows; each tp rank dispatches half of
                 its group's rows and the outputs are gathered over tp (5.25's plans leave the
                 experts whole on tp; ep splits them)
-  ep x tp+sp   (W >= 4) the same with ``sequence_parallel=True``: between the boundaries each tp
+  ep x tp+sp    (W >= 4) the same with ``sequence_parallel=True``: between the boundaries each tp
                 rank holds half its group's sequence, and dispatches those rows (nothing gathered
                 over tp at the experts; the attention and MLP boundaries gather and reduce-scatter)
   experts-TP    ``hp_lazy.activate("auto", tp=W)``: every rank runs the whole batch through its
