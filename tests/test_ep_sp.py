@@ -46,6 +46,16 @@ def test_ep_tp_sp_matches_one_process(ready, name: str, impl: str) -> None:
     epwork.check(pool, models.build(name, root), impl, sequence=True)
 
 
+def test_compiled(ready) -> None:
+    """``model.compile()``: one process's numbers; the only graph breaks are the experts modules'
+    dispatch (run eagerly, as under ep alone): sequence parallel adds none."""
+    pool, root = ready
+    results, _ = epwork.check(pool, models.build("qwen3_moe8", root), compile="eager", sequence=True)
+    for got in results:
+        reasons = {reason.split("\n")[0] for reason in got["graph_breaks"]}
+        assert reasons == {"Skip calling `torch.compiler.disable()`d function"}, got["graph_breaks"]
+
+
 def test_experts_outside_any_split_stack_share_the_tokens(ready) -> None:
     """GPT-OSS's TP plan cuts the embedding only: no boundary in its layers, so sequence parallel cuts
     nothing there, the tp ranks hold the same tokens and split them between them (ep x tp's layout)."""
