@@ -197,3 +197,31 @@ def test_ep_cp_tp_sp_world8(pool8: DistPool, root: str) -> None:
     mask[:, -5:] = 0
     data["labels"][:, -5:] = -100
     epwork.check_aux(pool, path, {**data, "attention_mask": mask}, sequence=True)
+
+
+def test_stock_trainer_with_aux_loss(pool4: DistPool, root: str, tmp_path) -> None:
+    """The stock ``Trainer`` with ``output_router_logits=True``: the aux loss weighed once, one
+    process's over the global batch (losses, logged grad norms, parameters)."""
+    import trainwork
+
+    path = models.build("qwen3_moe_aux", root)
+    ref = trainwork.trainer(0, 1, path, str(tmp_path / "ref"))
+    pool = parity.once(pool4, epwork.activate, ep=2, tp=2, sequence_parallel=True)
+    got = pool.run(trainwork.trainer, path, str(tmp_path / "hp"))
+    trainwork.compare_trainer(got[0], ref)
+
+
+def test_stock_trainer_resumes(pool4: DistPool, root: str, tmp_path) -> None:
+    """save_steps=2 with the optimizer state (each rank's expert slices through
+    torch.distributed.checkpoint), then resume_from_checkpoint, against one process doing the same."""
+    import trainwork
+
+    path = models.build("qwen3_moe", root)
+    ref = trainwork.trainer_resume(0, 1, path, str(tmp_path / "ref"), optim="adamw_torch")
+    pool = parity.once(pool4, epwork.activate, ep=2, tp=2, sequence_parallel=True)
+    got = pool.run(trainwork.trainer_resume, path, str(tmp_path / "hp"), optim="adamw_torch")
+    assert "optimizer_dcp" in got[0]["files"]
+    for run in ("straight", "resumed"):
+        assert all(models.rel_err(g[run]["loss"], ref[run]["loss"]) <= parity.TOL for g in got)
+        errors = {n: models.rel_err(got[0][run]["state"][n], v) for n, v in ref[run]["state"].items()}
+        assert max(errors.values()) <= trainwork.TOL["adamw_torch"], (run, max(errors.items(), key=lambda kv: kv[1]))
