@@ -1,12 +1,13 @@
 """Context parallel with sequence parallel: cp=2 x tp=2 on 4 ranks, ``activate("auto", cp=2, tp=2,
 sequence_parallel=True)``. Each cp rank holds its zigzag rows, and inside its tp group each tp rank
 holds a piece of those between the tp boundaries. Against one process: loss, gathered logits, every
-gradient and 3 SGD+wd steps, for attention families (GQA, sliding windows, sinks, MLA), hybrids whose
-token mixers run on the cp rows gathered over tp (Gated DeltaNet, Mamba2, Mamba1, lightning
-attention), MoEs with the aux loss made global over cp and tp, Ulysses, gradient checkpointing and
+gradient and 3 SGD+wd steps, for attention families (GQA, sliding windows, sinks, MLA, Phi-3's
+attention run whole on tp, Kimi Linear's attention the TP plan leaves out), hybrids whose token mixers
+run on the cp rows gathered over tp (Gated DeltaNet, KDA, Mamba2, Mamba1, lightning attention), MoEs
+with the aux loss made global over cp and tp, Ulysses, gradient checkpointing, ``torch.compile`` and
 TRL's ``SFTTrainer``. Bytes per rank: no tp collective moves more than this cp rank's rows, no cp
-collective more than this tp rank's heads. Negative control: the aux loss's counts summed over cp
-only."""
+collective more than this tp rank's heads. A length the two cuts do not both divide is refused with
+the multiple to pad to. Negative control: the aux loss's counts summed over cp only."""
 
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ def root(tmp_path_factory) -> str:
 
 
 @pytest.mark.parametrize(("name", "kind"), [("llama_gqa", "plain"), ("llama_gqa", "padded"), ("qwen3_sliding", "packed"),
-                                            ("gpt_oss", "packed"),  # sinks cut with their heads; experts over tp
+                                            # sinks; experts over tp (its plan splits no layer: sp cuts nothing)
+                                            ("gpt_oss", "packed"),
                                             ("deepseek_v2", "padded"),  # MLA: the latent gathered over cp
                                             ("phi3", "packed"),  # attention run whole on tp (a fused qkv_proj)
                                             ("jamba", "packed"),  # Mamba1 on the cp rows, gathered over tp
