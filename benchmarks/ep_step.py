@@ -64,6 +64,7 @@ from _spawn import collect
 
 VARIANTS = ("one process", "ep", "ep x tp", "ep x tp+sp", "experts-TP", "transformers ep_plan")
 TP_GROUPS = ("ep x tp", "ep x tp+sp")  # W/2 data-parallel groups of 2 tp ranks
+PAYLOAD = ("all_to_all", "all_reduce", "all_gather", "reduce_scatter")  # the payload column's ops, in order
 SPLIT = ("ep", "transformers ep_plan")  # variants where every rank feeds its batch / W rows
 
 
@@ -185,7 +186,7 @@ def _worker(rank: int, world: int, variant: str, path: str, args: argparse.Names
     with hp_lazy.collective_counter() as counter:
         model(input_ids=ids, labels=ids).loss.backward()
     counts = {phase: counter.by_phase(phase) for phase in ("forward", "backward")}
-    counts["MiB"] = {op: counter.bytes_of(op) / 2**20 for op in ("all_to_all", "all_reduce", "all_gather")}
+    counts["MiB"] = {op: counter.bytes_of(op) / 2**20 for op in PAYLOAD}
     _report(queue, rank, world, _run(model, ids, args.steps, dist.barrier), counts, _expert_bytes(model))
 
 
@@ -226,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
           f"(size {args.expert_size}), batch {args.batch} x {args.seq}, fp32, {args.steps} steps x {args.repeats} "
           "repeats (medians)\n")
     print("| variant | step s | step / one process | loss rel err vs one process | collectives per step (fwd; bwd) "
-          "| payload MiB per rank per step (a2a / ar / ag) | expert MiB per rank |")
+          "| payload MiB per rank per step (a2a / ar / ag / rs) | expert MiB per rank |")
     print("|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as root:
         path = _build(args, root)
@@ -243,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
             shown = "; ".join(", ".join(f"{k} {v}" for k, v in sorted(counts.get(ph, {}).items())) or "-"
                               for ph in ("forward", "backward"))
             mib = counts.get("MiB", {})
-            volume = " / ".join(f"{mib[op]:.2f}" for op in ("all_to_all", "all_reduce", "all_gather")) if mib else "-"
+            volume = " / ".join(f"{mib[op]:.2f}" for op in PAYLOAD) if mib else "-"
             print(f"| {variant} | {step:.3f} | {step / base:.2f} | {loss_err:.1e} | {shown} | {volume} "
                   f"| {experts / 2**20:.2f} |", flush=True)
     return 0
