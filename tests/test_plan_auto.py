@@ -346,6 +346,13 @@ def test_experts_under_ep_and_sequence_parallel_take_their_own_rows() -> None:
         "down_proj": {"ep": "S(0)"}, "gate_up_proj": {"ep": "S(0)"}}
 
 
+def test_cp_finds_attention_beside_a_plan_of_experts_only() -> None:
+    """Jamba's TP plan on transformers 5.24 names its experts only, which tp's experts region takes
+    over; cp still finds the attention module next to them (it found none: refused at load)."""
+    got = contracts("jamba", tp=2, cp=2)
+    assert got["model.layers.*.self_attn"].get("inner") == {"call": "attention", "kind": "cp_allgather_kv"}
+
+
 def test_an_explicit_plan_cutting_own_rows_experts_on_tp_is_refused() -> None:
     """The same layout written out with the experts also cut on tp: each rank's own rows cannot meet a
     tp slice of the experts (every tp rank's rows would be needed), refused by the plan check."""

@@ -71,6 +71,7 @@ def auto_parts(module_name: str, source: str, flags: AutoFlags) -> Parts | None:
     # tp alone splits the experts the ep plan marks too
     ep_rules = [r for name, plan in ep_plans for r in base_rules(facts, name, plan, ep_preset.EP_PLAN)]
     draft = Draft(facts, flags)
+    located = rules  # every TP-plan key: cp finds the attention modules near them
     if flags.tp > 1 and flags.ep == 1:
         rules = ep_preset.split_over_tp(draft, rules, ep_rules)
         ep_rules = []
@@ -78,8 +79,8 @@ def auto_parts(module_name: str, source: str, flags: AutoFlags) -> Parts | None:
     if flags.tp > 1 or not (flags.cp > 1 or ep_rules):
         kept, refused = translatable(facts, flags, rules)
         tp_preset.apply(draft, kept)
-    if flags.cp > 1:
-        cp_preset.apply(draft, rules)
+    if flags.cp > 1:  # before split_over_tp took the experts' keys out (5.24's Jamba plans only those)
+        cp_preset.apply(draft, located)
     if ep_rules:
         ep_preset.apply(draft, ep_rules)
     draft.check_nesting()
