@@ -65,6 +65,15 @@ def test_ulysses_cp2_tp2_sp(ulysses: DistPool, root: str) -> None:
     cpwork.check(_ready(ulysses, "ulysses"), models.build("llama", root), cpwork.batch("padded"))
 
 
+def test_stock_clip_grad_norm_cp2_tp2_sp(pool: DistPool, root: str) -> None:
+    """torch's ``clip_grad_norm_`` on the model's parameters (shards of tp, replicas of cp): one
+    process's total norm on every rank."""
+    path, data = models.build("llama_gqa", root), cpwork.batch("padded")
+    want = cpwork.grad_norm(0, 1, path, data)
+    for norm in _ready(pool).run(cpwork.grad_norm, path, data):
+        assert abs(norm - want) <= parity.TOL * want, (norm, want)
+
+
 @pytest.mark.parametrize("reentrant", [True, False])
 def test_gradient_checkpointing_cp2_tp2_sp(pool: DistPool, root: str, reentrant: bool) -> None:
     path, data = models.build("qwen3_sliding", root), cpwork.batch("packed")

@@ -102,8 +102,12 @@ def get_param(module: nn.Module, name: str) -> nn.Parameter | None:
     return None if found is None else found[0]._parameters.get(found[1])
 
 
+def cuts_input(contract: Contract, axis: str = "tp") -> bool:
+    """Some input of ``contract`` arrives cut on ``axis`` (a sequence-parallel piece, or rows)."""
+    return any(isinstance(contract.placement("in_src", name, axis), Shard) for name in contract.in_src)
+
+
 def routes_own_tokens(ctx: BindContext) -> bool:
     """Experts (split over tp or over ep) whose rows arrive cut over tp (sequence parallel): each tp
     rank routes its own tokens, so the router's statistics are summed over tp."""
-    return any(c.region is not None and any(isinstance(c.placement("in_src", n, "tp"), Shard) for n in c.in_src)
-               for _, _, c in ctx.bound)
+    return any(c.region is not None and cuts_input(c) for _, _, c in ctx.bound)

@@ -82,9 +82,7 @@ def _cp_attention_whole(draft: Draft, stacks: list[str], regions: list[str]) -> 
             raise PlanError(f"{draft.facts.module}: {pattern!r} ({cls}) is an attention module context parallel "
                             "splits, which sequence_parallel must run on this cp rank's rows gathered over tp, but its "
                             "forward's first input cannot be read; train it without sequence_parallel")
-        x = params[0]
-        entry.body = {"in_src": {x: {"tp": "S(1)"}}, "in_dst": {x: {"tp": "R"}}, "out_src": {"output": {"tp": "R"}},
-                      "out_dst": {"output": {"tp": "S(1)"}}, "inner": entry.body["inner"]}
+        entry.body = {**_whole_body(params[0], "R"), "inner": entry.body["inner"]}
 
 
 def _own_rows(draft: Draft, entry: Entry) -> None:
@@ -146,13 +144,19 @@ def _whole_sequence(draft: Draft) -> list[str]:
             if entry.rule is not None and entry.rule.key.rpartition(".")[2] == returned:
                 entry.body["out_dst"]["output"] = {"tp": "S(1)"}
                 out = "S(1)"
-        body = {"in_src": {x: {"tp": "S(1)"}}, "in_dst": {x: {"tp": "R"}},
-                "out_src": {"output": {"tp": out}}, "out_dst": {"output": {"tp": "S(1)"}}}
+        body = _whole_body(x, out)
         if inner is not None:  # an attention module under cp: its attention runs cp's op on the cp rows
             body["inner"] = inner
         draft.add(region, Entry(body, rule.owner, "whole_sequence", rule, cls))
         _container(draft, rule)
     return list(held)
+
+
+def _whole_body(x: str, out: str) -> dict:
+    """A module run on the whole sequence: ``x`` gathered along it on tp, shards nothing, leaves as
+    this rank's piece (``out``: what its forward returns on tp, whole or already the piece)."""
+    return {"in_src": {x: {"tp": "S(1)"}}, "in_dst": {x: {"tp": "R"}},
+            "out_src": {"output": {"tp": out}}, "out_dst": {"output": {"tp": "S(1)"}}}
 
 
 def _in_layers(rule: Rule) -> bool:

@@ -80,6 +80,8 @@ class ContextEntry:
         text-only batches split; a batch with their inputs is refused."""
         self.pieces = pieces
         """The pieces sequence parallel cuts this rank's rows into between the tp boundaries (tp; 1 without sp)."""
+        self.multiple = math.lcm(2 * group.size, group.size * pieces)
+        """What the sequence length must be a multiple of: the zigzag's 2 * cp chunks, and the pieces."""
         self._signatures: dict[Callable[..., Any], inspect.Signature] = {}
 
     def __call__(self, forward: Callable[..., Any], module: nn.Module, args: tuple, kwargs: dict) -> Any:
@@ -146,7 +148,7 @@ class ContextEntry:
                                "the sequence to split is not known", "pass input_ids or inputs_embeds")
         batch, seq = tokens.shape[0], tokens.shape[1]
         size = self.group.size
-        multiple = math.lcm(2 * size, size * self.pieces)
+        multiple = self.multiple
         if seq % multiple:
             cut = f"the zigzag layout cuts it into 2*cp = {2 * size} equal chunks" + (
                 f" and sequence parallel each rank's S/cp rows into tp = {self.pieces} equal pieces"

@@ -50,7 +50,7 @@ from hp_lazy.runtime.binding import Binding
 from hp_lazy.runtime.ep import aux
 from hp_lazy.runtime.ep.dispatch import Dispatch, ExpertDispatch
 from hp_lazy.runtime.mesh import EDP, EDP_TP, Group
-from hp_lazy.runtime.style import BindContext, params_matching, routes_own_tokens
+from hp_lazy.runtime.style import BindContext, cuts_input, params_matching, routes_own_tokens
 
 FORWARD = ("hidden_states", "top_k_index", "top_k_weights")
 ALIASES = (("hidden_states",), ("top_k_index", "router_indices"), ("top_k_weights", "routing_weights"))
@@ -214,7 +214,7 @@ class ExpertParallelStyle:
         cut_on_tp = any(isinstance(axes.get("tp"), Shard) for axes in contract.params.values())
         whole = tp if tp is not None and tp.size > 1 and not cut_on_tp else None
         # sequence parallel: rows cut over tp, each tp rank's own; else the tp ranks share the same tokens
-        own = any(isinstance(contract.placement("in_src", n, "tp"), Shard) for n in contract.in_src)
+        own = cuts_input(contract)
         mount(module, ctx.groups["ep"], local=False, split=None if own else whole, pieces=whole if own else None)
         self.experts.append((fqn, module, _whole(module, contract)))
 

@@ -48,7 +48,7 @@ from hp_lazy.runtime.leaves import own_forward
 from hp_lazy.runtime.mesh import Group
 from hp_lazy.runtime.sp.mixers import mixes_tokens, split_stacks
 from hp_lazy.runtime.sp.stack import kind_of, positional, stacked_dim
-from hp_lazy.runtime.style import BindContext
+from hp_lazy.runtime.style import BindContext, cuts_input
 
 
 def refuse_outside_calls(ctx: BindContext) -> None:
@@ -62,7 +62,7 @@ def refuse_outside_calls(ctx: BindContext) -> None:
         ctx.root.register_forward_pre_hook(_reset([s for _, s in stacks]))
     for fqn, module, contract in ctx.bound if stacks else ():
         inside = any(fqn == f or fqn.startswith(f + ".") for f, _ in stacks)
-        if not inside and not any(isinstance(contract.placement("in_src", n, "tp"), Shard) for n in contract.in_src):
+        if not inside and not cuts_input(contract):
             module.register_forward_pre_hook(_whole_only(fqn, family, [f for f, _ in stacks], [s for _, s in stacks]))
 
 
@@ -207,7 +207,9 @@ def called_children(cls: type) -> frozenset[str]:
                      and (name := _self_child(node.func)) is not None)
 
 
+@functools.cache
 def _forward_def(cls: type) -> ast.FunctionDef | ast.AsyncFunctionDef | None:
+    """``cls``'s forward parsed, once (:func:`called_children` and :func:`read_outside` read it)."""
     forward = inspect.unwrap(own_forward(cls))
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))

@@ -44,7 +44,7 @@ from hp_lazy.runtime.comm import pairs
 from hp_lazy.runtime.cp import lightning, recurrent
 from hp_lazy.runtime.leaves import calls_attention
 from hp_lazy.runtime.mesh import Group
-from hp_lazy.runtime.style import BindContext
+from hp_lazy.runtime.style import BindContext, cuts_input
 
 ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention"})
 TOKENWISE_LAYERS = frozenset({"mlp", "moe", "dense"})
@@ -76,7 +76,7 @@ def planned_whole(ctx: BindContext) -> None:
         if fqn in whole:
             ctx.whole_sequence.update(id(p) for p in module.parameters())
         out = contract.placement("out_dst", "output", "tp")
-        cut_in = any(isinstance(contract.placement("in_src", n, "tp"), Shard) for n in contract.in_src)
+        cut_in = cuts_input(contract)
         if isinstance(out, Shard) and out.dim != -1 and not cut_in and not any(fqn.startswith(w + ".") for w in whole):
             raise ShardingError(
                 f"{fqn} ({type(ctx.root).__qualname__}): its contract takes whole values and leaves as {out} on tp, "

@@ -140,11 +140,6 @@ def _is_region(contract: Contract) -> bool:
     return contract.region is not None and contract.region.kind == "tp_experts"
 
 
-def _token_sharded(contract: Contract) -> bool:
-    """The region's rows arrive cut over tp (sequence parallel: each tp rank routes its own tokens)."""
-    return any(isinstance(contract.placement("in_src", name, "tp"), Shard) for name in contract.in_src)
-
-
 def _deferred(module: nn.Module, contract: Contract) -> list[nn.Parameter]:
     return [p for name in contract.deferred_bias_params for p in _named(module, name)]
 
