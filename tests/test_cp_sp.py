@@ -4,8 +4,8 @@ holds a piece of those between the tp boundaries. Against one process: loss, gat
 gradient and 3 SGD+wd steps, for attention families (GQA, sliding windows, sinks, MLA, Phi-3's
 attention run whole on tp, Kimi Linear's attention the TP plan leaves out), hybrids whose token mixers
 run on the cp rows gathered over tp (Gated DeltaNet, KDA, Mamba2, Mamba1, lightning attention), MoEs
-with the aux loss made global over cp and tp, Ulysses, gradient checkpointing, ``torch.compile`` and
-TRL's ``SFTTrainer``. Bytes per rank: no tp collective moves more than this cp rank's rows, no cp
+with the aux loss made global over cp and tp, Ulysses, gradient checkpointing, ``torch.compile``,
+torch's ``clip_grad_norm_``, PEFT's LoRA and TRL's ``SFTTrainer``. Bytes per rank: no tp collective moves more than this cp rank's rows, no cp
 collective more than this tp rank's heads. A length the two cuts do not both divide is refused with
 the multiple to pad to. Negative control: the aux loss's counts summed over cp only."""
 
@@ -72,6 +72,32 @@ def test_stock_clip_grad_norm_cp2_tp2_sp(pool: DistPool, root: str) -> None:
     want = cpwork.grad_norm(0, 1, path, data)
     for norm in _ready(pool).run(cpwork.grad_norm, path, data):
         assert abs(norm - want) <= parity.TOL * want, (norm, want)
+
+
+def lora_train(rank: int, world: int, path: str, data: dict[str, Any]) -> dict[str, Any]:
+    """:func:`cpwork.run` on PEFT's LoRA of the attention and MLP projections (cut on tp)."""
+    import test_peft
+
+    import hp_lazy
+
+    model = test_peft._peft(cpwork.load(path), targets=["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"])
+    if world == 1:
+        return cpwork.run(model, data)
+    result = cpwork.run(model, data, gather=hp_lazy.gather_sequence, full_grads=hp_lazy.full_grads,
+                        full_state_dict=hp_lazy.full_state_dict)
+    return result if rank == 0 else {"loss": result["loss"]}
+
+
+def test_peft_lora_cp2_tp2_sp(pool: DistPool, root: str) -> None:
+    """PEFT's LoRA on projections tp cuts (colwise and rowwise): every adapter gradient and 3 steps
+    are one process's."""
+    pytest.importorskip("peft")
+    path, data = models.build("llama_gqa", root), cpwork.batch("padded")
+    got = _ready(pool).run(lora_train, path, data)
+    errors = parity.compare(got[0], lora_train(0, 1, path, data))
+    assert sum("lora_" in name for name in errors) >= 20, sorted(errors)
+    for other in got[1:]:
+        assert models.rel_err(other["loss"], got[0]["loss"]) <= parity.TOL
 
 
 @pytest.mark.parametrize("reentrant", [True, False])
