@@ -5,8 +5,8 @@ gradient and 3 SGD+wd steps, for attention families (GQA, sliding windows, sinks
 attention run whole on tp, Kimi Linear's attention the TP plan leaves out), hybrids whose token mixers
 run on the cp rows gathered over tp (Gated DeltaNet, KDA, Mamba2, Mamba1, lightning attention), MoEs
 with the aux loss made global over cp and tp, Ulysses, gradient checkpointing, ``torch.compile``,
-torch's ``clip_grad_norm_``, PEFT's LoRA and TRL's ``SFTTrainer``. Bytes per rank: no tp collective moves more than this cp rank's rows, no cp
-collective more than this tp rank's heads. A length the two cuts do not both divide is refused with
+torch's ``clip_grad_norm_``, PEFT's LoRA and TRL's ``SFTTrainer``. Bytes per rank: no tp collective
+moves more than this cp rank's rows, no cp collective more than this tp rank's heads. A length the two cuts do not both divide is refused with
 the multiple to pad to. Negative control: the aux loss's counts summed over cp only."""
 
 from __future__ import annotations
