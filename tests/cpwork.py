@@ -425,3 +425,17 @@ def gather_sequence_sum(x, world: int):
         x = x.clone()
         dist.all_reduce(x)
     return torch.as_tensor(x)
+
+
+def lora_train(rank: int, world: int, path: str, data: dict[str, Any], targets: list[str]) -> dict[str, Any]:
+    """:func:`run` on PEFT's LoRA of the model's ``targets`` (one process at world 1)."""
+    import test_peft
+
+    import hp_lazy
+
+    model = test_peft._peft(load(path), targets=targets)
+    if world == 1:
+        return run(model, data)
+    result = run(model, data, gather=hp_lazy.gather_sequence, full_grads=hp_lazy.full_grads,
+                 full_state_dict=hp_lazy.full_state_dict)
+    return result if rank == 0 else {"loss": result["loss"]}

@@ -174,18 +174,7 @@ def test_minimax_compiled(pool2: DistPool, root: str) -> None:
     assert breaks and all("ContextVar" in reason or "Tensor.item()" in reason for reason in breaks), breaks
 
 
-def lora_train(rank: int, world: int, path: str, data: dict[str, Any]) -> dict[str, Any]:
-    """:func:`cpwork.run` on PEFT's LoRA of the model, the lightning layer's projections adapted."""
-    import test_peft
-
-    import hp_lazy
-
-    model = test_peft._peft(cpwork.load(path), targets=["qkv_proj", "output_gate", "out_proj", "q_proj", "o_proj"])
-    if world == 1:
-        return cpwork.run(model, data)
-    result = cpwork.run(model, data, gather=hp_lazy.gather_sequence, full_grads=hp_lazy.full_grads,
-                        full_state_dict=hp_lazy.full_state_dict)
-    return result if rank == 0 else {"loss": result["loss"]}
+LORA = ["qkv_proj", "output_gate", "out_proj", "q_proj", "o_proj"]
 
 
 def test_minimax_lora_cp2(pool2: DistPool, root: str) -> None:
@@ -193,6 +182,6 @@ def test_minimax_lora_cp2(pool2: DistPool, root: str) -> None:
     ``output_gate`` and ``out_proj``: every adapter gradient and 3 steps are one process's."""
     pytest.importorskip("peft")
     path, data = models.build("minimax", root), cpwork.batch("padded")
-    got = _ready(pool2, 2).run(lora_train, path, data)
-    errors = parity.compare(got[0], lora_train(0, 1, path, data))
+    got = _ready(pool2, 2).run(cpwork.lora_train, path, data, LORA)
+    errors = parity.compare(got[0], cpwork.lora_train(0, 1, path, data, LORA))
     assert sum("lora_" in name for name in errors) >= 10, sorted(errors)

@@ -74,18 +74,7 @@ def test_stock_clip_grad_norm_cp2_tp2_sp(pool: DistPool, root: str) -> None:
         assert abs(norm - want) <= parity.TOL * want, (norm, want)
 
 
-def lora_train(rank: int, world: int, path: str, data: dict[str, Any]) -> dict[str, Any]:
-    """:func:`cpwork.run` on PEFT's LoRA of the attention and MLP projections (cut on tp)."""
-    import test_peft
-
-    import hp_lazy
-
-    model = test_peft._peft(cpwork.load(path), targets=["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"])
-    if world == 1:
-        return cpwork.run(model, data)
-    result = cpwork.run(model, data, gather=hp_lazy.gather_sequence, full_grads=hp_lazy.full_grads,
-                        full_state_dict=hp_lazy.full_state_dict)
-    return result if rank == 0 else {"loss": result["loss"]}
+LORA = ["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"]
 
 
 def test_peft_lora_cp2_tp2_sp(pool: DistPool, root: str) -> None:
@@ -93,8 +82,8 @@ def test_peft_lora_cp2_tp2_sp(pool: DistPool, root: str) -> None:
     are one process's."""
     pytest.importorskip("peft")
     path, data = models.build("llama_gqa", root), cpwork.batch("padded")
-    got = _ready(pool).run(lora_train, path, data)
-    errors = parity.compare(got[0], lora_train(0, 1, path, data))
+    got = _ready(pool).run(cpwork.lora_train, path, data, LORA)
+    errors = parity.compare(got[0], cpwork.lora_train(0, 1, path, data, LORA))
     assert sum("lora_" in name for name in errors) >= 20, sorted(errors)
     for other in got[1:]:
         assert models.rel_err(other["loss"], got[0]["loss"]) <= parity.TOL
