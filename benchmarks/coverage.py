@@ -39,7 +39,14 @@ sequence_parallel=True)``: each cp rank's zigzag rows, cut again over its tp pai
 boundaries; logits joined with ``gather_sequence`` and compared on every rank, refusals of either
 kind counted as ``unsupported``.
 
-    python benchmarks/coverage.py [--families llama,qwen3] [--jobs 1] [--timeout 300] [--out FILE] [--cp 2 | --ep 2 | --sp | --cp 2 --sp]
+With ``--ep 2 --cp 2 --sp`` (every axis at once) eight ranks activate ``hp_lazy.activate("auto",
+ep=2, cp=2, tp=2, sequence_parallel=True)`` over the ep families: dp=2 x cp=2 x tp=2, the experts cut
+over ep=2 carved out of dp x cp. Each dp rank feeds its row of the reference batch, each cp rank its
+zigzag rows of it, cut again over tp; the logits are joined over cp and then dp, the loss is the dp
+ranks' mean, and every rank's local shard of every cut parameter (experts and tp cuts alike) is
+checked against its slice of the reference gradient (``ParamLayout.local``).
+
+    python benchmarks/coverage.py [--families llama,qwen3] [--jobs 1] [--timeout 300] [--out FILE] [--cp 2 | --ep 2 | --sp | --cp 2 --sp | --ep 2 --cp 2 --sp]
 """
 
 from __future__ import annotations
@@ -115,7 +122,8 @@ def precheck(family: str) -> Row | None:
     try:
         name = f"transformers.models.{family}.modeling_{family}"
         if _ep() > 1:
-            parts = auto_parts(name, source, AutoFlags(tp=1, ep=_ep()))
+            flags = AutoFlags(tp=2, ep=_ep(), cp=_cp(), sequence_parallel=True) if _all_axes() else AutoFlags(tp=1, ep=_ep())
+            parts = auto_parts(name, source, flags)
             contracts = None if parts is None else parts[0]
         elif _cp() > 1:
             contracts = auto_contracts(name, source, tp=2 if _sp() else 1, cp=_cp(), sequence_parallel=_sp())
@@ -416,9 +424,14 @@ def _sp() -> bool:
     return os.environ.get("HP_COVERAGE_SP", "0") == "1"
 
 
+def _all_axes() -> bool:
+    """``--ep 2 --cp 2 --sp``: dp=2 x cp=2 x tp=2 with sequence parallel, ep=2 carved out of dp x cp."""
+    return _ep() > 1 and _cp() > 1 and _sp()
+
+
 def _world() -> int:
-    """Ranks per family: 4 for cp=2 x tp=2 (``--cp 2 --sp``), else 2."""
-    return 4 if _cp() > 1 and _sp() else 2
+    """Ranks per family: 8 for every axis at once, 4 for cp=2 x tp=2 (``--cp 2 --sp``), else 2."""
+    return 8 if _all_axes() else 4 if _cp() > 1 and _sp() else 2
 
 
 def _step(model: Any, mode: str, join: Any = None, rows: slice = slice(None)) -> tuple[Any, Any]:
@@ -509,7 +522,9 @@ def child_rank(family: str, workdir: str) -> None:
         import hp_lazy
         from hp_lazy.runtime import record
 
-        if _ep() > 1:
+        if _all_axes():
+            hp_lazy.activate("auto", ep=_ep(), cp=_cp(), tp=2, sequence_parallel=True)
+        elif _ep() > 1:
             hp_lazy.activate("auto", ep=_ep())
         elif _cp() > 1:  # with --sp: cp x tp, sequence parallel inside each cp rank's rows
             hp_lazy.activate("auto", cp=_cp(), tp=2 if _sp() else 1, sequence_parallel=_sp())
@@ -539,14 +554,17 @@ def child_rank(family: str, workdir: str) -> None:
         table = record.of(model).table
         sharded = sum(1 for name, _ in model.named_parameters() if table is not None and name in table)
         total = sum(1 for _ in model.parameters())
-        rows = slice(rank, rank + 1) if _ep() > 1 else slice(None)
+        dp = hp_lazy.mesh().group("dp")
+        rows = slice(dp.rank, dp.rank + 1) if _ep() > 1 else slice(None)
         out, loss = _step(model, meta["mode"], hp_lazy.gather_sequence if _cp() > 1 else None, rows)
         local = {}
-        if _ep() > 1:
-            out, loss = _join_dp(out, loss)
-            local = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+        if _ep() > 1:  # each cut parameter's gradient on this rank against its slice of the reference's
+            out, loss = _join_dp(out, loss, dp.pg)
+            ref = torch.load(os.path.join(workdir, "ref.pt"))["grads"]
+            local = {n: (p.grad.detach().clone(), table.get(n).local(ref[n])) for n, p in model.named_parameters()
+                     if p.grad is not None and table is not None and table.get(n) is not None and n in ref
+                     and tuple(p.shape) != table.get(n).full_shape}
         grads = hp_lazy.full_grads(model)
-        local = {n: g for n, g in local.items() if n in grads and g.shape != grads[n].shape}
     except BaseException as exc:  # noqa: BLE001
         _write_error(os.path.join(workdir, f"err{rank}.json"), exc)
         raise
@@ -555,17 +573,18 @@ def child_rank(family: str, workdir: str) -> None:
                os.path.join(workdir, f"got{rank}.pt"))
 
 
-def _join_dp(out: Any, loss: Any) -> tuple[Any, Any]:
-    """Expert parallel: this rank's rows -> the global batch's (logits or hidden states
-    concatenated in rank order, the mean of the ranks' losses)."""
+def _join_dp(out: Any, loss: Any, group: Any) -> tuple[Any, Any]:
+    """Expert parallel: this dp rank's rows -> the global batch's (logits or hidden states
+    concatenated in dp rank order, the mean of the dp ranks' losses)."""
     import torch
     import torch.distributed as tdist
 
-    parts = [torch.empty_like(out) for _ in range(tdist.get_world_size())]
-    tdist.all_gather(parts, out.contiguous())
+    size = tdist.get_world_size(group)
+    parts = [torch.empty_like(out) for _ in range(size)]
+    tdist.all_gather(parts, out.contiguous(), group=group)
     loss = loss.clone()
-    tdist.all_reduce(loss)
-    return torch.cat(parts, dim=0), loss / tdist.get_world_size()
+    tdist.all_reduce(loss, group=group)
+    return torch.cat(parts, dim=0), loss / size
 
 
 # -- driver ------------------------------------------------------------------------------------
@@ -689,8 +708,8 @@ def _compare(family: str, workdir: str) -> Row:
             if diff:
                 return Row(family, "fail", f"gradient sets differ: {sorted(diff)[:3]}")
             errs.update({f"grad {n}": rel_err(got["grads"][n], g) for n, g in ref["grads"].items()})
-        for n, g in got.get("local", {}).items():  # this rank's expert shard vs its slice
-            errs[f"local grad {n}"] = rel_err(g, ref["grads"][n].chunk(2, dim=0)[r])
+        for n, (g, want) in got.get("local", {}).items():  # this rank's shard vs its slice of the reference
+            errs[f"local grad {n}"] = rel_err(g, want)
         for name, err in errs.items():
             limit = max(TOL, 2 * floor.get(name, 0.0))
             if err > limit:
@@ -701,6 +720,8 @@ def _compare(family: str, workdir: str) -> Row:
         worst = max(worst, (err, f"rank {r} {name}"))
         if r == 0:
             share = f"{got['sharded']}/{got['total']} params sharded"
+            if _ep() > 1:  # the shards each rank was checked on, against its slice of the reference
+                share += f", {len(got['local'])} local shards checked"
             if got.get("unsplit"):  # UnsplitLayersWarning: the config's plan leaves every layer whole
                 share += f" (layers whole: {got['unsplit']})"
     if share.startswith("0/") and _cp() == 1:  # tp, or ep: some expert parameter must be cut
@@ -724,14 +745,19 @@ def read_table(path: str) -> dict[str, Row]:
 
 def render(rows: list[Row]) -> str:
     counts = {s: sum(r.status == s for r in rows) for s in STATUSES}
-    mode = ("ep=2" if _ep() > 1 else "cp=2, tp=2, sequence_parallel=True" if _cp() > 1 and _sp() else "cp=2"
+    mode = ("ep=2, cp=2, tp=2, sequence_parallel=True" if _all_axes() else "ep=2" if _ep() > 1 else "cp=2, tp=2, sequence_parallel=True" if _cp() > 1 and _sp() else "cp=2"
             if _cp() > 1 else "tp=2, sequence_parallel=True" if _sp() else "tp=2")
-    out = {"ep=2": "--ep 2 --out benchmarks/coverage_ep.md", "cp=2": "--cp 2 --out benchmarks/coverage_cp.md",
+    out = {"ep=2": "--ep 2 --out benchmarks/coverage_ep.md",
+           "ep=2, cp=2, tp=2, sequence_parallel=True": "--ep 2 --cp 2 --sp --out benchmarks/coverage_all_axes.md", "cp=2": "--cp 2 --out benchmarks/coverage_cp.md",
            "tp=2, sequence_parallel=True": "--sp --out benchmarks/coverage_sp.md",
            "cp=2, tp=2, sequence_parallel=True": "--cp 2 --sp --out benchmarks/coverage_cp_sp.md",
            "tp=2": "--out benchmarks/coverage.md"}[mode]
     plan = "a non-empty `base_model_ep_plan`" if _ep() > 1 else "`base_model_tp_plan`"
-    split = (" Under ep each rank feeds one of the reference's 2 rows (data parallel); logits joined over the "
+    split = (" dp=2 x cp=2 x tp=2, ep=2 carved out of dp x cp: each dp rank feeds one of the reference's 2 rows, "
+             "each cp rank its zigzag rows of it, cut again over tp between the boundaries; logits joined over cp "
+             "then dp, loss the dp ranks' mean, every rank's shard of every cut parameter also checked against its "
+             "slice of the reference gradient." if _all_axes() else
+             " Under ep each rank feeds one of the reference's 2 rows (data parallel); logits joined over the "
              "ranks, loss the ranks' mean, expert shards also checked against their slice of the reference "
              "gradient." if _ep() > 1 else "")
     lines = [
@@ -782,8 +808,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["HP_COVERAGE_CP"] = str(args.cp)
     os.environ["HP_COVERAGE_EP"] = str(args.ep)
     os.environ["HP_COVERAGE_SP"] = "1" if args.sp else "0"
-    if (args.ep > 1) + (args.cp > 1) + args.sp > 1 and not (args.cp > 1 and args.sp and args.ep == 1):
-        parser.error("--ep, --cp and --sp are separate sweeps (but --cp 2 --sp: cp=2 x tp=2 with sequence parallel)")
+    if (args.ep > 1) + (args.cp > 1) + args.sp > 1 and not (args.cp > 1 and args.sp):
+        parser.error("--ep, --cp and --sp are separate sweeps (but --cp 2 --sp: cp=2 x tp=2 with sequence "
+                     "parallel, and --ep 2 --cp 2 --sp: every axis at once)")
     names = [f for f in args.families.split(",") if f] or families()
     if args.update and not (args.out and args.families):
         parser.error("--update needs --out (the table to update) and --families (the rows to rerun)")
