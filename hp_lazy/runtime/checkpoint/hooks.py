@@ -34,7 +34,6 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from hp_lazy.errors import ShardingError
 from hp_lazy.names import OPTIM_ADOPTED
 from hp_lazy.runtime.checkpoint.present import Presentation
 from hp_lazy.runtime.layout import LayoutTable
@@ -99,12 +98,6 @@ def _present_model(module: nn.Module, state_dict: dict[str, Any], prefix: str, l
         value = state_dict.get(key)
         if value is None or isinstance(value, nn.Parameter):
             continue  # not saved (a non-persistent entry), or keep_vars=True: the live parameter asked for
-        if isinstance(value, DTensor):
-            raise ShardingError(
-                f"{key}: the parameter is a DTensor (FSDP2 over dp) whose local part is hp_lazy's "
-                f"{presentation.table.get(fqn).describe()} shard; checkpoints of FSDP2 on top of hp_lazy's "  # type: ignore[union-attr]
-                "tensor parallel are not supported yet; save with hp_lazy.full_state_dict(model)"
-            )
         layout = presentation.table.get(fqn)
         if layout is not None and tuple(value.shape) == layout.full_shape != layout.local_shape:
             continue  # gathered already (PEFT keeps a targeted lm_head's base full): the same on every rank
@@ -124,10 +117,11 @@ def _accept_model(
     presentation = _MODELS.get(module)
     if presentation is None or _plain():
         return
+    live = dict(module.named_parameters())  # FSDP2's DTensors, where it shards over dp
     for fqn in presentation.table:
         key = prefix + fqn
         if key in state_dict:
-            state_dict[key] = presentation.accept(fqn, state_dict[key])
+            state_dict[key] = presentation.accept(fqn, state_dict[key], like=live.get(fqn))
 
 
 class _Saver:
@@ -177,13 +171,13 @@ class _Saver:
 # -- optimizers
 
 
-def _owners() -> dict[int, tuple[Presentation, str]]:
-    """id(parameter) -> (its model's presentation, its name) over every live bound model."""
-    found: dict[int, tuple[Presentation, str]] = {}
+def _owners() -> dict[int, tuple[Presentation, str, nn.Parameter]]:
+    """id(parameter) -> (its model's presentation, its name, itself) over every live bound model."""
+    found: dict[int, tuple[Presentation, str, nn.Parameter]] = {}
     for model, presentation in list(_MODELS.items()):
         for name, param in model.named_parameters():
             if name in presentation.table:
-                found.setdefault(id(param), (presentation, name))
+                found.setdefault(id(param), (presentation, name, param))
     return found
 
 
@@ -238,7 +232,7 @@ def holds_full_states(optimizer: torch.optim.Optimizer, state_dict: dict[str, An
         owner = owners.get(id(params.get(key)))
         if owner is None:
             continue
-        presentation, fqn = owner
+        presentation, fqn, _ = owner
         layout = presentation.table.get(fqn)
         assert layout is not None  # an owner's name is in its table
         for value in entry.values():
@@ -252,7 +246,7 @@ def _present_optimizer(optimizer: torch.optim.Optimizer, state_dict: dict[str, A
         return None
 
     def present(owner: Any, entry: dict[str, Any]) -> dict[str, Any]:
-        presentation, fqn = owner
+        presentation, fqn, _ = owner
         return {name: presentation.present(fqn, v, f"optimizer state {name!r}") if _per_element(v) else v
                 for name, v in entry.items()}
 
@@ -265,10 +259,10 @@ def _accept_optimizer(optimizer: torch.optim.Optimizer, state_dict: dict[str, An
     return _map_sharded_state(optimizer, state_dict, lambda owner, entry: {**entry, **_accepted(owner, entry)})
 
 
-def _accepted(owner: tuple[Presentation, str], entry: dict[str, Any]) -> dict[str, Any]:
-    presentation, fqn = owner
+def _accepted(owner: tuple[Presentation, str, nn.Parameter], entry: dict[str, Any]) -> dict[str, Any]:
+    presentation, fqn, param = owner
     return {
-        name: presentation.accept(fqn, v, f"optimizer state {name!r}")
+        name: presentation.accept(fqn, v, f"optimizer state {name!r}", like=param)
         for name, v in entry.items()
         if _per_element(v)
     }

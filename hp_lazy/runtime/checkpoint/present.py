@@ -25,6 +25,7 @@ refused (which rank's shard it is cannot be known; the old silent case).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -69,7 +70,10 @@ class Presentation:
     # -- save side
 
     def present(self, fqn: str, local: torch.Tensor, what: str = "") -> DTensor:
-        """``local`` (this rank's shard of ``fqn``, or an optimizer state shaped like it) as a DTensor."""
+        """``local`` (this rank's shard of ``fqn``, or an optimizer state shaped like it) as a DTensor;
+        under FSDP2 over dp, the DTensor FSDP2 holds of that shard (:meth:`_present_over_dp`)."""
+        if isinstance(local, DTensor):
+            return self._present_over_dp(fqn, local, what)
         layout = self._layout(fqn)
         if tuple(local.shape) != layout.local_shape:
             raise ShardingError(
@@ -87,10 +91,50 @@ class Presentation:
         out.__reduce_ex__ = _not_picklable(fqn)  # type: ignore[method-assign]
         return out
 
+    def _present_over_dp(self, fqn: str, value: DTensor, what: str) -> DTensor:
+        """FSDP2 over dp on top of this rank's shard: ``value`` is FSDP2's DTensor of the shard (dim
+        ``k`` of the shard chunked over dp), presented as one DTensor of the full tensor: ``Shard(k)``
+        on dp (``_StridedShard(k, pieces)`` where the shard's cut is on ``k`` too, which FSDP2 then
+        splits again) beside the layout's own placements. DCP is told this rank's blocks directly."""
+        layout = self._layout(fqn)
+        name = what or "the tensor"
+        fsdp = _fsdp_cut(value, self.mesh)
+        cuts = layout.shards
+        if fsdp is None or tuple(value.shape) != layout.local_shape or any(cut.axis == "ep" for cut in cuts):
+            raise ShardingError(
+                f"{fqn}: {name} is a DTensor of shape {list(value.shape)} placed {list(value.placements)} on "
+                f"{value.device_mesh}; hp_lazy presents FSDP2's DTensors of its shards ({layout.describe()} of "
+                f"{list(layout.full_shape)}, shaped {list(layout.local_shape)}) only as fully_shard(..., "
+                "mesh=hp_lazy.mesh().device_mesh['dp']) makes them (one Shard placement on dp); "
+                + _fix("DCP")
+            )
+        dim = fsdp.dim % len(layout.full_shape)
+        if any(cut.dim % len(layout.full_shape) == dim and cut.blocks > 1 for cut in cuts):
+            raise ShardingError(
+                f"{fqn}: FSDP2 chunks dim {dim} of a packed shard ({layout.describe()}) over dp, which crosses its "
+                "blocks; hp_lazy cannot present that to checkpoints; shard it on another dim (fully_shard's "
+                "shard_placement_fn) or " + _fix("DCP")
+            )
+        device_mesh, placements, _ = self._spec(fqn)
+        on_dp = _StridedShard(dim, split_factor=cuts[0].pieces) if cuts[0].dim % len(layout.full_shape) == dim \
+            else DShard(dim)
+        names = list(device_mesh.mesh_dim_names or ())
+        placements = tuple(on_dp if n == "dp" else p for n, p in zip(names, placements, strict=True))
+        full = torch.Size(layout.full_shape)
+        out = DTensor.from_local(
+            value._local_tensor, device_mesh, placements, run_check=False, shape=full, stride=_contiguous_strides(full)
+        )
+        _chunk_protocol(out, fqn, layout, cuts, _over_dp(_blocks(layout, cuts), fsdp))
+        out.__reduce_ex__ = _not_picklable(fqn)  # type: ignore[method-assign]
+        return out
+
     # -- load side
 
-    def accept(self, fqn: str, value: Any, what: str = "") -> torch.Tensor:
-        """This rank's shard of ``fqn`` from what a caller loads: our DTensor or the full tensor."""
+    def accept(self, fqn: str, value: Any, what: str = "", like: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's shard of ``fqn`` from what a caller loads: our DTensor or the full tensor. ``like``
+        (the live parameter or state) a DTensor of FSDP2's: the shard as FSDP2's DTensor of it."""
+        if isinstance(like, DTensor):
+            return self._accept_over_dp(fqn, value, what, like)
         layout = self._layout(fqn)
         name = what or "the tensor"
         if isinstance(value, DTensor):
@@ -117,6 +161,38 @@ class Presentation:
             f"{fqn}: {name} has shape {list(shape)}, but the parameter's full shape is {list(layout.full_shape)} "
             f"(this rank holds {list(layout.local_shape)}); load a checkpoint of this model"
         )
+
+    def _accept_over_dp(self, fqn: str, value: Any, what: str, like: DTensor) -> DTensor:
+        """FSDP2's DTensor (placed like ``like``) of what a caller loads: our DTensor over dp (DCP wrote
+        into it) or the full tensor, cut to the shard and then to FSDP2's chunk."""
+        layout = self._layout(fqn)
+        fsdp = _fsdp_cut(like, self.mesh)
+        if fsdp is None:  # present() refused this parameter's face already
+            raise ShardingError(f"{fqn}: FSDP2's DTensor placed {list(like.placements)} has no face; this is a bug")
+        spec = (like.device_mesh, like.placements)
+        same = isinstance(value, DTensor) and (value.device_mesh, value.placements) == spec
+        if same and value.shape == like.shape:
+            local = value.to_local()  # FSDP2's own DTensor of the shard (a state dict taken inside local_shards)
+        elif same and tuple(value.shape) == layout.full_shape:
+            # torch's full-state-dict helpers (set_model_state_dict(full_state_dict=True)) distribute the full
+            # tensor over the live parameter's placements, as if the shard were the whole: gathered over dp
+            # here (a collective; every rank loads the same keys in order), then cut as a full tensor
+            return self._accept_over_dp(fqn, value.full_tensor(), what, like)
+        elif isinstance(value, DTensor):
+            want = _over_dp(_blocks(layout, layout.shards), fsdp)
+            if tuple(value.shape) != layout.full_shape or _chunks(value) != [(off, size) for off, size, _ in want]:
+                raise ShardingError(
+                    f"{fqn}: {what or 'the tensor'} is a DTensor of shape {list(value.shape)} placed "
+                    f"{list(value.placements)}, which is not this rank's FSDP2 chunk of its shard ({layout.describe()} "
+                    f"of {list(layout.full_shape)}); load through torch.distributed.checkpoint, which reshards, or "
+                    "pass full tensors"
+                )
+            local = value.to_local()
+        else:
+            shard = self.accept(fqn, value, what)
+            local = shard.narrow(fsdp.dim, fsdp.start, fsdp.size)
+        return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False, shape=like.shape,
+                                  stride=like.stride())
 
     def chunks(self, fqn: str) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
         """(offsets, sizes) in the full tensor of every block this rank holds."""
@@ -265,10 +341,53 @@ def _not_picklable(fqn: str) -> Callable[..., Any]:
     return refuse
 
 
-def _chunk_protocol(out: DTensor, fqn: str, layout: ParamLayout, cuts: tuple[AxisShard, ...]) -> None:
+@dataclass(frozen=True)
+class _FsdpCut:
+    """FSDP2's chunk of this rank's shard: ``size`` elements of dim ``dim`` from ``start``."""
+
+    dim: int
+    start: int
+    size: int
+
+
+def _fsdp_cut(value: DTensor, mesh: Mesh) -> _FsdpCut | None:
+    """Where FSDP2's DTensor ``value`` (of this rank's shard) keeps its local part: one ``Shard(k)``
+    on the dp mesh of hp_lazy's mesh (torch.chunk's sizes: the last ranks' chunks may be short or
+    empty), else ``None``."""
+    if value.device_mesh.mesh_dim_names != ("dp",) or len(value.placements) != 1:
+        return None
+    placement = value.placements[0]
+    if type(placement) is not DShard:
+        return None
+    dp = mesh.group("dp")
+    dim = placement.dim % value.dim()
+    step = -(-value.shape[dim] // dp.size)
+    start = min(dp.rank * step, value.shape[dim])
+    return _FsdpCut(dim, start, min(step, value.shape[dim] - start))
+
+
+def _over_dp(
+    blocks: list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]], fsdp: _FsdpCut
+) -> list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
+    """The shard's ``blocks`` (offsets and sizes in the full tensor, start in the shard) cut to FSDP2's
+    chunk of the shard: the parts inside it, their starts now in the chunk."""
+    d, lo, hi = fsdp.dim, fsdp.start, fsdp.start + fsdp.size
+    out = []
+    for off, size, start in blocks:
+        a, b = max(start[d], lo), min(start[d] + size[d], hi)
+        if a < b:
+            o, z, st = list(off), list(size), list(start)
+            o[d], z[d], st[d] = off[d] + a - start[d], b - a, a - lo
+            out.append((tuple(o), tuple(z), tuple(st)))
+    return out
+
+
+def _chunk_protocol(out: DTensor, fqn: str, layout: ParamLayout, cuts: tuple[AxisShard, ...],
+                    blocks: list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]] | None = None) -> None:
     """DCP's view of a packed shard: one chunk per block (torch's own DCP code describes a
-    ``_StridedShard`` as one contiguous chunk, which would overlap and misplace the blocks)."""
-    blocks = _blocks(layout, cuts)
+    ``_StridedShard`` as one contiguous chunk, which would overlap and misplace the blocks), or
+    of ``blocks`` (FSDP2's chunk of a shard)."""
+    blocks = _blocks(layout, cuts) if blocks is None else blocks
     local = out._local_tensor
     views = {off: _narrowed(local, start, size) for off, size, start in blocks}
 
