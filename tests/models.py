@@ -164,6 +164,12 @@ MORE_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
                                        "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
                                        "layer_types": ["linear_attention", "full_attention"]}),
     # Kimi Linear: layer 0 KDA, layer 1 MLA attention, which its TP plan leaves out (the MLPs are planned)
+    # no TP plan, only an ep plan (which locates its attention for cp); a sliding layer (RoPE) and a
+    # global one (no RoPE), a dense first block, then MoE with a shared expert and per-expert norms
+    "ergo": ("ErgoConfig", {"head_dim": 8, "num_key_value_heads": 2, "first_dense_intermediate_size": 64,
+                            "moe_intermediate_size": 32, "shared_intermediate_size": 32, "num_experts": 4,
+                            "num_experts_per_tok": 2, "sliding_window": 8, "global_attention_every_n_layers": 2,
+                            "num_hidden_layers": 2, "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2}),
     "kimi_linear": ("KimiLinearConfig", {"head_dim": 8, "num_key_value_heads": 4, "kv_lora_rank": 16,
                                          "q_lora_rank": None, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4,
                                          "v_head_dim": 8, "linear_head_dim": 8, "linear_num_heads": 4,

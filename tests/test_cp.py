@@ -34,7 +34,8 @@ CASES = [("llama_gqa", "plain"), ("qwen3", "plain"), ("llama_bias", "plain"), ("
          ("gemma2", "plain"), ("gemma2", "padded"),  # logit softcapping
          ("deepseek_v32", "plain"), ("deepseek_v32", "packed"), ("deepseek_v32", "padded"),  # DSA: top-4 of 16 keys
          ("glm_moe_dsa", "plain"),  # DSA: a layer reusing the top-k of the one before
-         ("llama4", "plain"), ("llama4", "packed"), ("llama4", "left_padded")]  # chunked attention, temperature
+         ("llama4", "plain"), ("llama4", "packed"), ("llama4", "left_padded"),  # chunked attention, temperature
+         ("ergo", "packed")]  # no TP plan: its ep plan locates the attention (a sliding and a global layer)
 
 
 @pytest.mark.parametrize(("name", "kind"), CASES)

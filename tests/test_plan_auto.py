@@ -656,14 +656,23 @@ def test_expert_parallel_at_tp1_reads_no_tp_strings() -> None:
     assert hy["model.layers.*.mlp.experts"]["region"]["kind"] == "ep_dispatch"
 
 
-def test_an_ep_plan_alone_places_experts_under_ep() -> None:
+def test_an_ep_plan_alone_places_experts_and_locates_attention() -> None:
     """OpenAI-Privacy-Filter (and Zaya, Ergo) declare a ``base_model_ep_plan`` and no TP plan: under ep
     Plan.auto places their experts (it derived nothing, and ep=2 ran them whole on every rank); under tp
-    alone the module has no plan to read."""
+    alone it splits the experts the ep plan marks over tp, as for every 5.25 MoE (it derived nothing: all
+    experts whole on every tp rank); under cp the ep plan's keys locate the attention modules (no
+    attention carried cp's op, and cp refused the model)."""
     plan = Plan.auto(tp=1, ep=2).slice(*source("openai_privacy_filter"))
     assert [c.pattern for c in plan.contracts] == ["layers.*.mlp.experts"]  # a base model (AutoModel) family
     assert plan.contracts[0].to_dict()["region"] == {"kind": "ep_dispatch"}
-    assert Plan.auto(tp=2).slice(*source("openai_privacy_filter")) is None
+    tp = Plan.auto(tp=2).slice(*source("openai_privacy_filter")).contracts
+    assert [c.pattern for c in tp] == ["layers.*.mlp.experts"] and tp[0].to_dict()["region"] == {"kind": "tp_experts"}
+    assert {k: v["tp"] for k, v in tp[0].to_dict()["params"].items()} == dict.fromkeys(  # by expert
+        ("down_proj", "down_proj_bias", "gate_up_proj", "gate_up_proj_bias"), "S(0)")
+    for family, attention in (("openai_privacy_filter", "layers.*.self_attn"), ("ergo", "model.layers.*.self_attn")):
+        cp = {c.pattern: c.to_dict() for c in Plan.auto(tp=1, cp=2).slice(*source(family)).contracts}
+        assert list(cp) == [attention], cp
+        assert cp[attention]["inner"] == {"call": "attention", "kind": "cp_allgather_kv"}
 
 
 def test_expert_parallel_keeps_replicated_with_grad_allreduce_whole() -> None:

@@ -64,16 +64,18 @@ def auto_parts(module_name: str, source: str, flags: AutoFlags) -> Parts | None:
         return None
     facts = analyze(module_name, source)
     plans = config_plans(module_name, facts)
-    ep_plans = config_plans(module_name, facts, ep_preset.EP_PLAN) if flags.ep > 1 or flags.tp > 1 else []
-    if not plans and not (flags.ep > 1 and ep_plans):  # an ep plan alone (Zaya, Ergo) still places experts
+    wants_ep_plan = flags.ep > 1 or flags.tp > 1 or flags.cp > 1
+    ep_plans = config_plans(module_name, facts, ep_preset.EP_PLAN) if wants_ep_plan else []
+    if not plans and not ep_plans:  # an ep plan alone (Zaya, Ergo) still places experts and locates attention
         return None
     rules = [r for name, plan in plans for r in base_rules(facts, name, plan)] + (head_rules(facts) if plans else [])
     # tp alone splits the experts the ep plan marks too
     ep_rules = [r for name, plan in ep_plans for r in base_rules(facts, name, plan, ep_preset.EP_PLAN)]
     draft = Draft(facts, flags)
-    located = rules  # every TP-plan key: cp finds the attention modules near them
+    located = rules + ep_rules  # every TP- and EP-plan key: cp finds the attention modules near them
     if flags.tp > 1 and flags.ep == 1:
         rules = ep_preset.split_over_tp(draft, rules, ep_rules)
+    if flags.ep == 1:
         ep_rules = []
     refused: dict[str, str] = {}
     if flags.tp > 1 or not (flags.cp > 1 or ep_rules):
