@@ -794,10 +794,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="rerun only --families and replace their rows in --out (the other rows kept)")
     parser.add_argument("--_ref", nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--_rank", nargs=2, help=argparse.SUPPRESS)
-    parser.add_argument("--smoke", action="store_true", help="one family (llama): does the sweep run?")
+    parser.add_argument("--smoke", action="store_true",
+                        help="one family (llama; qwen3_moe under --ep): does the sweep run?")
     args = parser.parse_args(argv)
     if args.smoke:
-        args.families = "llama"
+        args.families = "qwen3_moe" if args.ep > 1 else "llama"
     if args._ref:
         child_reference(*args._ref)
         return 0

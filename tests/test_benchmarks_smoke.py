@@ -101,6 +101,15 @@ def test_ep_step_ep_x_tp_smoke(tmp_path: Path) -> None:
         assert float(rows[variant][3]) <= 1e-4 and "all_to_all" in rows[variant][4], rows
 
 
+def test_coverage_every_axis_smoke(tmp_path: Path) -> None:
+    """The 8-rank sweep (dp=2 x cp=2 x tp=2 with sp, ep=2) on Qwen3-MoE: it passes, and each rank's
+    shards were checked against their slices of the reference gradient."""
+    rows = {r[0]: r for r in _rows(_run("coverage.py", tmp_path, "--ep", "2", "--cp", "2", "--sp")) if r[0] != "family"}
+    assert set(rows) == {"qwen3_moe"}, rows
+    assert rows["qwen3_moe"][1] == "pass" and re.search(r", (\d+) local shards checked", rows["qwen3_moe"][2]), rows
+    assert int(re.search(r", (\d+) local shards checked", rows["qwen3_moe"][2]).group(1)) > 0, rows
+
+
 @pytest.mark.parametrize("model", ["qwen3_next", "jamba", "minimax"])
 def test_cp_step_hybrid_smoke(tmp_path: Path, model: str) -> None:
     """The hybrid rows (Gated DeltaNet, Mamba1 or lightning attention layers split with their state passed)."""
