@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 
+import ckptwork
 import models
 import parity
 import torch
@@ -53,30 +54,8 @@ def _rows():
     return _global_batch().chunk(dp.size)[dp.rank]
 
 
-def _save(model, opt, ckpt: str) -> None:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    msd, osd = get_state_dict(model, opt)
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=ckpt)
 
 
-def _load(model, opt, ckpt: str, api: str) -> None:
-    """``dsd``: get_state_dict -> dcp.load -> set_state_dict; ``plain``: the model through its own
-    ``state_dict()`` / ``load_state_dict`` (the optimizer through torch's helpers either way: a fresh
-    optimizer has no state for a plain ``dcp.load`` to fill)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import state_dict as dsd
-
-    if api == "dsd":
-        msd, osd = dsd.get_state_dict(model, opt)
-        dcp.load({"model": msd, "optim": osd}, checkpoint_id=ckpt)
-        dsd.set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
-        return
-    msd, osd = model.state_dict(), dsd.get_optimizer_state_dict(model, opt)
-    dcp.load({"model": msd, "optim": osd}, checkpoint_id=ckpt)
-    model.load_state_dict(msd)
-    dsd.set_optimizer_state_dict(model, opt, osd)
 
 
 def _train_and_save(rank: int, world: int, path: str, kind: str, ckpt: str) -> dict | None:
@@ -85,7 +64,7 @@ def _train_and_save(rank: int, world: int, path: str, kind: str, ckpt: str) -> d
     model = hp_lazy.parallelize(parity._load(path))
     opt = _optimizer(kind, model.parameters())
     _steps(model, opt, _rows())
-    _save(model, opt, ckpt)
+    ckptwork.save(model, opt, ckpt)
     _steps(model, opt, _rows())
     full = hp_lazy.full_state_dict(model)  # a collective
     return full if rank == 0 else None
@@ -96,9 +75,9 @@ def _resume(rank: int, world: int, path: str, kind: str, ckpt: str, api: str, sa
 
     model = hp_lazy.parallelize(parity._load(path))
     opt = _optimizer(kind, model.parameters())
-    _load(model, opt, ckpt, api)
+    ckptwork.load(model, opt, ckpt, api)
     if save_to is not None:
-        _save(model, opt, save_to)
+        ckptwork.save(model, opt, save_to)
     _steps(model, opt, _rows())
     full = hp_lazy.full_state_dict(model)  # a collective
     return full if rank == 0 else None
@@ -118,30 +97,19 @@ def _resume_plain(path: str, kind: str, ckpt: str) -> dict:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _errors(got: dict, ref: dict) -> float:
-    assert got.keys() == ref.keys(), got.keys() ^ ref.keys()
-    return max(models.rel_err(got[k], v) for k, v in ref.items())
 
 
-def _at(pool: DistPool, tp: int) -> DistPool:
-    """``pool`` under ``Plan.auto(tp=tp)``: new worker processes when it ran another plan (a lowered
-    module keeps the plan it was lowered for)."""
-    if getattr(pool, "_ckpt_tp", tp) != tp:
-        pool.close()
-    parity.activated(pool, tp=tp)  # once per set of workers
-    pool._ckpt_tp = tp  # type: ignore[attr-defined]
-    return pool
 
 
 def test_adamw_resumes_at_other_layouts(pool4: DistPool, refs, tmp_path) -> None:
     path, _ = refs("llama_gqa")
     first, again = str(tmp_path / "dp2tp2"), str(tmp_path / "tp4")
-    ref = _at(pool4, 2).run(_train_and_save, path, "adamw", first)[0]
-    errors = {"dp2xtp2 -> same": _errors(pool4.run(_resume, path, "adamw", first, "dsd")[0], ref)}
-    errors["dp2xtp2 -> tp4 (K/V kept on 2 ranks)"] = _errors(
-        _at(pool4, 4).run(_resume, path, "adamw", first, "plain", again)[0], ref)
-    errors["dp2xtp2 -> one plain process"] = _errors(_resume_plain(path, "adamw", first), ref)
-    errors["tp4 -> one plain process"] = _errors(_resume_plain(path, "adamw", again), ref)
+    ref = ckptwork.at(pool4, 2).run(_train_and_save, path, "adamw", first)[0]
+    errors = {"dp2xtp2 -> same": ckptwork.errors(pool4.run(_resume, path, "adamw", first, "dsd")[0], ref)}
+    errors["dp2xtp2 -> tp4 (K/V kept on 2 ranks)"] = ckptwork.errors(
+        ckptwork.at(pool4, 4).run(_resume, path, "adamw", first, "plain", again)[0], ref)
+    errors["dp2xtp2 -> one plain process"] = ckptwork.errors(_resume_plain(path, "adamw", first), ref)
+    errors["tp4 -> one plain process"] = ckptwork.errors(_resume_plain(path, "adamw", again), ref)
     print("AdamW resume errors:", errors)
     assert errors.pop("dp2xtp2 -> same") <= SAME
     assert max(errors.values()) <= OTHER["adamw"], errors
@@ -150,9 +118,9 @@ def test_adamw_resumes_at_other_layouts(pool4: DistPool, refs, tmp_path) -> None
 def test_sgd_resumes_exactly(pool2: DistPool, refs, tmp_path) -> None:
     path, _ = refs("llama")
     ckpt = str(tmp_path / "tp2")
-    ref = _at(pool2, 2).run(_train_and_save, path, "sgd", ckpt)[0]
-    errors = {"tp2 -> same": _errors(pool2.run(_resume, path, "sgd", ckpt, "plain")[0], ref)}
-    errors["tp2 -> dp2xtp1"] = _errors(_at(pool2, 1).run(_resume, path, "sgd", ckpt, "dsd")[0], ref)
+    ref = ckptwork.at(pool2, 2).run(_train_and_save, path, "sgd", ckpt)[0]
+    errors = {"tp2 -> same": ckptwork.errors(pool2.run(_resume, path, "sgd", ckpt, "plain")[0], ref)}
+    errors["tp2 -> dp2xtp1"] = ckptwork.errors(ckptwork.at(pool2, 1).run(_resume, path, "sgd", ckpt, "dsd")[0], ref)
     print("SGD resume errors:", errors)
     assert errors["tp2 -> same"] <= SAME and errors["tp2 -> dp2xtp1"] <= OTHER["sgd"], errors
 
@@ -202,7 +170,7 @@ def _shards_after_load(rank: int, world: int, path: str, root: str) -> dict:
 
 def test_shards_load_into_their_own_rank(pool2: DistPool, refs, tmp_path) -> None:
     path, _ = refs("llama")
-    got = _at(pool2, 2).run(_shards_after_load, path, str(tmp_path))
+    got = ckptwork.at(pool2, 2).run(_shards_after_load, path, str(tmp_path))
     key = "model.layers.0.self_attn.q_proj.weight"
     # negative control: DCP took the plain shards for replicas, wrote one rank's and gave it to both
     assert torch.equal(got[0]["old"][key], got[1]["old"][key])
@@ -241,7 +209,7 @@ def test_packed_experts_save_as_full_tensors(pool2: DistPool, refs, tmp_path) ->
 
     path, _ = refs("qwen3_moe")
     ckpt = str(tmp_path / "moe")
-    full = _at(pool2, 2).run(_packed_save, path, ckpt)[0]
+    full = ckptwork.at(pool2, 2).run(_packed_save, path, ckpt)[0]
     plain = parity._load(path).state_dict()
     dcp.load(plain, checkpoint_id=ckpt, no_dist=True)
     packed = [k for k in full if "gate_up" in k]

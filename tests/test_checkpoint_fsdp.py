@@ -13,8 +13,10 @@ checkpoint of hp_lazy's own dp average resumed under FSDP2. Negative control: th
 
 from __future__ import annotations
 
+import ckptwork
 import models
 import parity
+import pytest
 import torch
 from dist import DistPool, pool_fixture
 
@@ -32,19 +34,21 @@ def _rows():
     return models.batch(seed=3, batch_size=4).chunk(dp.size)[dp.rank]
 
 
-def _model(path: str, fsdp: bool):
-    """The tiny model under hp_lazy's plan, FSDP2 over dp on each layer and the root (or hp_lazy's own
-    dp average), and AdamW over what the model holds."""
+def _model(path: str, fsdp: bool, dim: int = 0):
+    """The tiny model under hp_lazy's plan, FSDP2 over dp on each layer and the root (chunking dim
+    ``dim`` of each shard where it has one), or hp_lazy's own dp average; and AdamW over what it holds."""
     import hp_lazy
 
     model = hp_lazy.parallelize(parity._load(path), data_parallel=not fsdp)
     if fsdp:
         from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor import Shard
 
         dp_mesh = hp_lazy.mesh().device_mesh["dp"]
+        placed = {"shard_placement_fn": lambda p: Shard(dim if p.dim() > dim else 0)} if dim else {}
         for layer in model.model.layers:
-            fully_shard(layer, mesh=dp_mesh)
-        fully_shard(model, mesh=dp_mesh)
+            fully_shard(layer, mesh=dp_mesh, **placed)
+        fully_shard(model, mesh=dp_mesh, **placed)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
 
 
@@ -55,27 +59,8 @@ def _steps(model, opt, ids) -> None:
         opt.step()
 
 
-def _save(model, opt, ckpt: str) -> None:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    msd, osd = get_state_dict(model, opt)
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=ckpt)
 
 
-def _load(model, opt, ckpt: str, api: str) -> None:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import state_dict as dsd
-
-    if api == "dsd":
-        msd, osd = dsd.get_state_dict(model, opt)
-        dcp.load({"model": msd, "optim": osd}, checkpoint_id=ckpt)
-        dsd.set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
-        return
-    msd, osd = model.state_dict(), dsd.get_optimizer_state_dict(model, opt)
-    dcp.load({"model": msd, "optim": osd}, checkpoint_id=ckpt)
-    model.load_state_dict(msd)
-    dsd.set_optimizer_state_dict(model, opt, osd)
 
 
 def _full(rank: int, model) -> dict | None:
@@ -96,7 +81,7 @@ def _train_and_save(rank: int, world: int, path: str, ckpt: str, fsdp: bool, old
         with local_shards():
             dcp.save({"model": model.state_dict()}, checkpoint_id=ckpt)
     else:
-        _save(model, opt, ckpt)
+        ckptwork.save(model, opt, ckpt)
     _steps(model, opt, _rows())
     return _full(rank, model)
 
@@ -113,7 +98,7 @@ def _resume(rank: int, world: int, path: str, ckpt: str, fsdp: bool, api: str, o
             dcp.load({"model": msd}, checkpoint_id=ckpt)
             model.load_state_dict(msd)
     else:
-        _load(model, opt, ckpt, api)
+        ckptwork.load(model, opt, ckpt, api)
     _steps(model, opt, _rows())
     return _full(rank, model)
 
@@ -132,33 +117,22 @@ def _resume_plain(path: str, ckpt: str) -> dict:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _errors(got: dict, ref: dict) -> float:
-    assert got.keys() == ref.keys(), got.keys() ^ ref.keys()
-    return max(models.rel_err(got[k], v) for k, v in ref.items())
 
 
-def _at(pool: DistPool, tp: int) -> DistPool:
-    """``pool`` under ``Plan.auto(tp=tp)``: new workers when it ran another plan."""
-    if getattr(pool, "_ckpt_tp", tp) != tp:
-        pool.close()
-    parity.activated(pool, tp=tp)
-    pool._ckpt_tp = tp  # type: ignore[attr-defined]
-    return pool
 
 
 def test_fsdp_over_tp_resumes_at_every_layout(pool4: DistPool, refs, tmp_path) -> None:
     path, _ = refs("llama_gqa")
     fsdp_ckpt, own_ckpt = str(tmp_path / "fsdp"), str(tmp_path / "own")
-    ref = _at(pool4, 2).run(_train_and_save, path, fsdp_ckpt, True)[0]
+    ref = ckptwork.at(pool4, 2).run(_train_and_save, path, fsdp_ckpt, True)[0]
     own_ref = pool4.run(_train_and_save, path, own_ckpt, False)[0]
-    errors = {
-        "fsdp dp2xtp2 -> same (get/set_state_dict)": _errors(pool4.run(_resume, path, fsdp_ckpt, True, "dsd")[0], ref),
-        "fsdp dp2xtp2 -> same (model.state_dict)": _errors(pool4.run(_resume, path, fsdp_ckpt, True, "plain")[0], ref),
-        "hp_lazy dp2xtp2 -> fsdp dp2xtp2": _errors(pool4.run(_resume, path, own_ckpt, True, "dsd")[0], own_ref),
-    }
-    errors["fsdp dp2xtp2 -> tp4 (K/V kept on 2 ranks)"] = _errors(
-        _at(pool4, 4).run(_resume, path, fsdp_ckpt, False, "dsd")[0], ref)
-    errors["fsdp dp2xtp2 -> one plain process"] = _errors(_resume_plain(path, fsdp_ckpt), ref)
+    errors = {f"fsdp dp2xtp2 -> same ({api})": ckptwork.errors(pool4.run(_resume, path, fsdp_ckpt, True, api)[0], ref)
+              for api in ("dsd", "plain")}  # get/set_state_dict, and the model's own state_dict()
+    errors["hp_lazy dp2xtp2 -> fsdp dp2xtp2"] = ckptwork.errors(
+        pool4.run(_resume, path, own_ckpt, True, "dsd")[0], own_ref)
+    errors["fsdp dp2xtp2 -> tp4 (K/V kept on 2 ranks)"] = ckptwork.errors(
+        ckptwork.at(pool4, 4).run(_resume, path, fsdp_ckpt, False, "dsd")[0], ref)
+    errors["fsdp dp2xtp2 -> one plain process"] = ckptwork.errors(_resume_plain(path, fsdp_ckpt), ref)
     print("FSDP2 x tp resume errors:", errors)
     assert max(v for k, v in errors.items() if "-> same" in k) <= SAME, errors
     assert max(errors.values()) <= OTHER, errors
@@ -170,37 +144,49 @@ def test_fsdp_own_face_keeps_one_tp_ranks_shards(pool4: DistPool, refs, tmp_path
     resume trains from a model half made of the other rank's shards."""
     path, _ = refs("llama_gqa")
     ckpt = str(tmp_path / "old")
-    ref = _at(pool4, 2).run(_train_and_save, path, ckpt, True, True)[0]
+    ref = ckptwork.at(pool4, 2).run(_train_and_save, path, ckpt, True, True)[0]
     got = pool4.run(_resume, path, ckpt, True, "plain", True)[0]
-    assert _errors(got, ref) > 1e-2
+    assert ckptwork.errors(got, ref) > 1e-2
 
 
-def _save_pretrained_and_reload(rank: int, world: int, path: str, out: str) -> dict:
+def _save_pretrained_and_reload(rank: int, world: int, path: str, out: str, dim: int) -> dict:
+    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     import hp_lazy
 
-    model, opt = _model(path, True)
+    model, opt = _model(path, True, dim)
     _steps(model, opt, _rows())
     model.save_pretrained(out)  # every rank: the shards gathered one at a time, rank 0 writes
+    dcp.save(model.state_dict(), checkpoint_id=out + "_dcp")
     full = hp_lazy.full_state_dict(model)
-    fresh, _ = _model(path, True)
+    fresh, _ = _model(path, True, dim)
     # full tensors in, as torch's helpers take them under FSDP2: each rank keeps its chunk of its tp shard
     set_model_state_dict(fresh, dict(full), options=StateDictOptions(full_state_dict=True))  # (it fills the dict)
     reloaded = hp_lazy.full_state_dict(fresh)  # a collective
-    return {"full": full, "reloaded": reloaded} if rank == 0 else {}
+    placed = str(model.get_parameter("model.layers.0.self_attn.o_proj.weight").placements)  # FSDP2's, of a rowwise shard
+    return {"full": full, "reloaded": reloaded, "placed": placed} if rank == 0 else {}
 
 
-def test_fsdp_over_tp_save_pretrained_and_full_load(pool4: DistPool, refs, tmp_path) -> None:
-    """``save_pretrained`` writes the checkpoint a plain process loads (the trained weights), and
-    ``set_model_state_dict`` of full tensors puts each rank's chunk of its shard back."""
+@pytest.mark.parametrize("dim", [0, 1], ids=["fsdp_dim0", "fsdp_dim1"])
+def test_fsdp_over_tp_save_pretrained_and_full_load(pool4: DistPool, refs, tmp_path, dim: int) -> None:
+    """``save_pretrained`` writes the checkpoint a plain process loads (the trained weights), a plain
+    process reads ``dcp.save(model.state_dict())`` back, and ``set_model_state_dict`` of full tensors
+    puts each rank's chunk of its shard back; FSDP2 chunking dim 0 of each shard (its default: the
+    colwise shards' own dim, ``_StridedShard``) or dim 1 (the rowwise shards' own dim)."""
+    import torch.distributed.checkpoint as dcp
+
     path, _ = refs("llama_gqa")
     out = str(tmp_path / "saved")
-    got = _at(pool4, 2).run(_save_pretrained_and_reload, path, out)[0]
+    got = ckptwork.at(pool4, 2).run(_save_pretrained_and_reload, path, out, dim)[0]
+    assert got["placed"] == f"(Shard(dim={dim}),)", got["placed"]
     plain = {k: v for k, v in parity._load(out).state_dict().items()}
+    from_dcp = parity._load(path).state_dict()
+    dcp.load(from_dcp, checkpoint_id=out + "_dcp", no_dist=True)
     assert plain.keys() == got["full"].keys()
     for name, value in got["full"].items():
         assert torch.equal(plain[name], value), name
+        assert torch.equal(from_dcp[name], value), name
         assert torch.equal(got["reloaded"][name], value), name
     start = parity._load(path).state_dict()
     assert any(not torch.equal(start[n], v) for n, v in plain.items())  # the trained weights, not the start
@@ -227,7 +213,7 @@ def _refusal(rank: int, world: int, path: str) -> str:
 
 def test_a_dtensor_not_fsdp2s_over_dp_is_refused(pool4: DistPool, refs) -> None:
     path, _ = refs("llama_gqa")
-    text = _at(pool4, 2).run(_refusal, path)[0]
+    text = ckptwork.at(pool4, 2).run(_refusal, path)[0]
     assert text.startswith("model.layers.0.self_attn.q_proj.weight: the tensor is a DTensor of shape [32, 32] "
                            "placed [Shard(dim=0)] on DeviceMesh((tp=2)"), text
     assert ("hp_lazy presents FSDP2's DTensors of its shards (S(0) of [32, 32], shaped [16, 32]) only as "
