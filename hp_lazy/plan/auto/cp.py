@@ -3,9 +3,10 @@
 Every module whose forward dispatches through transformers' attention interface gets the op of
 ``cp_mode`` (``{"call": "attention", "kind": ...}``): on the tp preset's boundaries where they are
 attention modules, and as a contract of the op alone where the TP plan makes no boundary of them
-(fused ``qkv_proj`` planned as leaves, a plan naming only the embedding, or tp=1). The TP plan
-only locates the attention modules here: the parents of its keys and the children of the decoder
-layers (``layers.*.<child>``). Context parallel places nothing on the mesh: the sequence is cut
+(fused ``qkv_proj`` planned as leaves, a plan naming only the embedding, or tp=1). The TP and EP
+plans only locate the attention modules here: the parents of their keys and the children of the
+decoder layers (``layers.*.<child>``); a family with an ep plan and no TP plan (Ergo) is located by
+the ep plan's keys alone. Context parallel places nothing on the mesh: the sequence is cut
 at the model's entry (:mod:`hp_lazy.runtime.cp`).
 """
 

@@ -15,11 +15,14 @@ token ranks ``dp * cp`` and is no dim of the world's mesh) are presented on an e
 ``(edp, ep, tp)``: the token ranks regrouped into runs of ``ep`` (the ep groups) and their
 positions (the ranks holding the same slice), with tp as it is; an expert weight cut ``S(0)`` on
 ep and ``SS(-2,2)`` on tp is ``[Replicate, Shard(0), _StridedShard(-2, 2)]`` there, and DCP sees
-one chunk per (expert slice, packed block). Refused, naming the tensor: two axes cutting one dim,
-a packed piece kept on several ranks, and an optimizer state that is not shaped like its
-parameter's shard. Accepted on load: a DTensor laid out
-exactly as this rank's shard, or the full tensor (sliced here); a tensor of the shard's shape is
-refused (which rank's shard it is cannot be known; the old silent case).
+one chunk per (expert slice, packed block). Under FSDP2 over dp (``fully_shard(...,
+mesh=device_mesh["dp"])``), FSDP2 holds each shard as a DTensor over dp chunking the shard's dim ``k``;
+that is presented as the full tensor with ``Shard(k)`` on dp beside the cut (``_StridedShard(k,
+pieces)`` where the cut is on ``k`` too), DCP told the exact blocks. Refused, naming the tensor: two
+axes cutting one dim, a packed piece kept on several ranks, an optimizer state that is not shaped like
+its parameter's shard, an FSDP2 DTensor on another mesh (HSDP) or chunking a packed dim. Accepted on
+load: a DTensor laid out exactly as this rank's shard, or the full tensor (sliced here); a tensor of
+the shard's shape is refused (which rank's shard it is cannot be known; the old silent case).
 """
 
 from __future__ import annotations
@@ -119,6 +122,8 @@ class Presentation:
         on_dp = _StridedShard(dim, split_factor=cuts[0].pieces) if cuts[0].dim % len(layout.full_shape) == dim \
             else DShard(dim)
         names = list(device_mesh.mesh_dim_names or ())
+        if "dp" not in names:
+            raise ShardingError(f"{fqn}: FSDP2 shards it over dp, which the mesh {names} lacks; this is a bug")
         placements = tuple(on_dp if n == "dp" else p for n, p in zip(names, placements, strict=True))
         full = torch.Size(layout.full_shape)
         out = DTensor.from_local(
