@@ -670,6 +670,8 @@ def test_an_ep_plan_alone_places_experts_and_locates_attention() -> None:
     assert {k: v["tp"] for k, v in tp[0].to_dict()["params"].items()} == dict.fromkeys(  # by expert
         ("down_proj", "down_proj_bias", "gate_up_proj", "gate_up_proj_bias"), "S(0)")
     for family, attention in (("openai_privacy_filter", "layers.*.self_attn"), ("ergo", "model.layers.*.self_attn")):
+        if not os.path.isdir(os.path.join(MODELS, family)):  # Ergo is new in transformers 5.25
+            continue
         cp = {c.pattern: c.to_dict() for c in Plan.auto(tp=1, cp=2).slice(*source(family)).contracts}
         assert list(cp) == [attention], cp
         assert cp[attention]["inner"] == {"call": "attention", "kind": "cp_allgather_kv"}
