@@ -7,6 +7,7 @@ cut on ep and, where the release's TP plan has experts-TP entries, as two blocks
 
 from __future__ import annotations
 
+import ckptwork
 import epwork
 import models
 import parity
@@ -34,8 +35,8 @@ def test_ep2_resumes_exactly(pool2: DistPool, tmp_path) -> None:
     mine = faces[0]["model.layers.1.mlp.experts.gate_up_proj"]
     assert mine == (("ep",), ["S(0)"], (2, 64, 32)), mine
     ref = pool.run(ck._train_and_save, path, "sgd", ckpt)[0]
-    errors = {"ep2 -> same": ck._errors(pool.run(ck._resume, path, "sgd", ckpt, "dsd")[0], ref),
-              "ep2 -> one plain process": ck._errors(ck._resume_plain(path, "sgd", ckpt), ref)}
+    errors = {"ep2 -> same": ckptwork.errors(pool.run(ck._resume, path, "sgd", ckpt, "dsd")[0], ref),
+              "ep2 -> one plain process": ckptwork.errors(ck._resume_plain(path, "sgd", ckpt), ref)}
     print("ep=2 SGD resume errors:", errors)
     assert errors["ep2 -> same"] <= ck.SAME and errors["ep2 -> one plain process"] <= ck.OTHER["sgd"], errors
 
@@ -51,7 +52,7 @@ def test_ep2_tp2_resumes(pool4: DistPool, tmp_path) -> None:
     else:  # experts cut on ep alone (5.25's plans), kept whole on both tp ranks
         assert gate_up[:2] == (("ep", "tp"), ["S(0)", "R"]) or gate_up[:2] == (("ep",), ["S(0)"]), gate_up
     ref = pool.run(ck._train_and_save, path, "adamw", ckpt)[0]
-    errors = {"ep2xtp2 -> same": ck._errors(pool.run(ck._resume, path, "adamw", ckpt, "plain")[0], ref),
-              "ep2xtp2 -> one plain process": ck._errors(ck._resume_plain(path, "adamw", ckpt), ref)}
+    errors = {"ep2xtp2 -> same": ckptwork.errors(pool.run(ck._resume, path, "adamw", ckpt, "plain")[0], ref),
+              "ep2xtp2 -> one plain process": ckptwork.errors(ck._resume_plain(path, "adamw", ckpt), ref)}
     print("ep=2 x tp=2 AdamW resume errors:", errors)
     assert errors["ep2xtp2 -> same"] <= ck.SAME and errors["ep2xtp2 -> one plain process"] <= ck.OTHER["adamw"], errors
