@@ -21,6 +21,7 @@ import torch
 from dist import DistPool, pool_fixture
 
 pool4 = pool_fixture(4, timeout=180)
+pool8 = pool_fixture(8, timeout=240)
 
 STEPS = 3
 SAME = 1e-6  # the same layout: the same arithmetic
@@ -190,6 +191,24 @@ def test_fsdp_over_tp_save_pretrained_and_full_load(pool4: DistPool, refs, tmp_p
         assert torch.equal(got["reloaded"][name], value), name
     start = parity._load(path).state_dict()
     assert any(not torch.equal(start[n], v) for n, v in plain.items())  # the trained weights, not the start
+
+
+def test_fsdp_over_tp4_with_kv_heads_on_two_ranks(pool8: DistPool, refs, tmp_path) -> None:
+    """dp=2 x tp=4 on 8 ranks, Llama with 2 K/V heads: each K/V head's shard is kept on two tp ranks
+    (a tp sub-mesh of pieces x copies), which FSDP2 chunks again over dp. ``save_pretrained``, a plain
+    process reading ``dcp.save`` back and full tensors loaded in equal the gathered weights."""
+    import torch.distributed.checkpoint as dcp
+
+    path, _ = refs("llama_gqa")
+    out = str(tmp_path / "saved")
+    got = ckptwork.at(pool8, 4).run(_save_pretrained_and_reload, path, out, 0)[0]
+    plain = parity._load(out).state_dict()
+    from_dcp = parity._load(path).state_dict()
+    dcp.load(from_dcp, checkpoint_id=out + "_dcp", no_dist=True)
+    for name, value in got["full"].items():
+        assert torch.equal(plain[name], value), name
+        assert torch.equal(from_dcp[name], value), name
+        assert torch.equal(got["reloaded"][name], value), name
 
 
 def _refusal(rank: int, world: int, path: str) -> str:
