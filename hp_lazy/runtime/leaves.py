@@ -38,7 +38,9 @@ def wrap_forward(module: nn.Module, binding: Binding) -> None:
     """Entry ops on the declared inputs -> the class's own forward -> exit ops. The binding is
     also kept (``LEAF``) on the module PEFT would wrap, so it can move to a tuner layer and back."""
     setattr(module, BINDING, binding)
-    setattr(module, LEAF_INPUTS, _input_positions(type(module), binding))
+    # a PEFT layer passes its inputs through to the module it wraps (``forward(x, *args, **kwargs)``):
+    # the declared inputs sit where that module's forward has them
+    setattr(module, LEAF_INPUTS, _input_positions(type(base_of(module)), binding))
     module.__class__ = subclass(type(module), _LeafForward)
     base_of(module).__dict__[LEAF] = binding
 
@@ -54,7 +56,10 @@ def unwrap_forward(module: nn.Module) -> None:
 def move_leaves(model: nn.Module) -> None:
     """After PEFT wrapped (or unwrapped) a bound torch leaf: its entry/exit ops run around the
     outermost module that now stands for it (a LoRA layer adds its adapter inside the boundary)."""
-    holder = {id(base_of(m)): m for m in model.modules() if is_tuner(m)}
+    holder: dict[int, nn.Module] = {}
+    for m in model.modules():  # outer before inner: nested wrappers (PEFT's target_parameters) keep the outermost
+        if is_tuner(m):
+            holder.setdefault(id(base_of(m)), m)
     for module in list(model.modules()):
         binding = module.__dict__.get(LEAF)
         if binding is None:
