@@ -7,6 +7,7 @@ losses (DDP's convention, which hp_lazy's gradient owner follows) is the global 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any
 
@@ -381,14 +382,129 @@ def load_before_forward(rank: int, world: int, path: str) -> str:
     return "ok"
 
 
-def lora_on_experts(rank: int, world: int, path: str) -> str:
-    """PEFT ``target_parameters`` on the experts' 3-D tensors, then a forward: the error text."""
+EXPERT_TENSORS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+def lora(model, targets=("q_proj", "v_proj"), tensors=tuple(EXPERT_TENSORS)):
+    """PEFT LoRA (r=2) on attention modules and on the experts' 3-D tensors (``target_parameters``),
+    seeded alike in every process; ``lora_B`` made non-zero so every adapter has a gradient."""
+    import torch
     from peft import LoraConfig, get_peft_model
 
-    config = LoraConfig(r=2, target_modules=[], target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
-    model = get_peft_model(load(path), config)
+    torch.manual_seed(7)
+    config = LoraConfig(task_type="CAUSAL_LM", r=2, lora_alpha=4, target_modules=list(targets),
+                        target_parameters=list(tensors))
+    peft_model = get_peft_model(model, config)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.05)
+    return peft_model
+
+
+def lora_reference(path: str, data: dict[str, Any], impl: str = "grouped_mm") -> dict[str, Any]:
+    """One process: :func:`lora` trained by :func:`run`; the adapters after the steps and the
+    merged weights."""
+    model = lora(load(path, impl))
+    result = run(model, data)
+    result["adapter"] = {k: v for k, v in result["state"].items() if "lora_" in k}
+    result["merged"] = {k: v.detach().clone() for k, v in model.merge_and_unload().state_dict().items()}
+    return result
+
+
+def lora_train(rank: int, world: int, path: str, data: dict[str, Any], when: str = "before", save_dir: str = "",
+               impl: str = "grouped_mm", control: str = "") -> dict[str, Any]:
+    """:func:`lora` on the parallel model, added ``before`` the first forward or ``after``
+    ``hp_lazy.parallelize``; trained as :func:`train`; PEFT's ``save_pretrained`` on every rank, then
+    ``merge_and_unload``. Negative controls (``control``): ``"unsummed"``, the experts' adapters left
+    out of the experts' gradient rule (dp-averaged like a dense parameter); ``"contiguous"``, lora_B
+    cut in one block of columns instead of this rank's experts within each of the r blocks."""
+    from unittest import mock
+
+    from hp_lazy.runtime import adapters
+    from hp_lazy.runtime.ep.style import ExpertParallelStyle
+
+    rule = ExpertParallelStyle.gradients
+
+    def unsummed(self, ctx) -> None:
+        rule(self, ctx)
+        for _, module, _ in ctx.bound:
+            for name, param in module.named_parameters():
+                if "lora_" in name:
+                    ctx.partial.pop(id(param), None)
+
+    patches = {"unsummed": mock.patch.object(ExpertParallelStyle, "gradients", unsummed),
+               "contiguous": mock.patch.object(adapters, "replace",
+                                               lambda cut, **kw: dataclasses.replace(cut, **{**kw, "blocks": 1}))}
+    with patches[control] if control else contextlib.nullcontext():
+        return _lora_train(rank, path, data, when, save_dir, impl)
+
+
+def _lora_train(rank: int, path: str, data: dict[str, Any], when: str, save_dir: str, impl: str) -> dict[str, Any]:
+    import hp_lazy
+
+    model = load(path, impl)
+    if when == "after":
+        hp_lazy.parallelize(model)
+    peft_model = lora(model)
+    dp, gather, mean = _dp_tools()
+    per = data["input_ids"].shape[0] // dp.size
+    result = run(peft_model, data, rows=slice(dp.rank * per, (dp.rank + 1) * per), gather=gather, mean=mean,
+                 full_grads=hp_lazy.full_grads, full_state_dict=hp_lazy.full_state_dict)
+    result["local"] = {n: tuple(p.shape) for n, p in peft_model.named_parameters() if ".experts." in n and "lora_" in n}
+    if save_dir:
+        peft_model.save_pretrained(save_dir, is_main_process=rank == 0)
+    result["merged"] = hp_lazy.full_state_dict(peft_model.merge_and_unload())
+    return result if rank == 0 else {k: result[k] for k in ("loss", "logits", "local")}
+
+
+def check_lora(pool, path: str, ref: dict[str, Any], when: str, save: str, pieces: int,
+               impl: str = "grouped_mm") -> None:
+    """:func:`lora_train` on ``pool`` against :func:`lora_reference`: each rank holds ``1/pieces`` of
+    every expert adapter (lora_A's rows, lora_B's columns); loss, logits, every adapter gradient and
+    3 SGD steps equal one process's; ``save_pretrained`` wrote the trained adapter, which a plain PEFT
+    loads; ``merge_and_unload`` gives one process's merged weights."""
+    import torch
+    from peft import PeftModel
+
+    results = pool.run(lora_train, path, batch(), when, save, impl)
+    got = results[0]
+    experts = got["local"]
+    assert len(experts) == len([n for n in ref["adapter"] if ".experts." in n]) >= 4, sorted(experts)
+    assert len([n for n in got["grads"] if ".experts." in n]) == len(experts), sorted(got["grads"])
+    for name, shape in experts.items():
+        full = tuple(ref["adapter"][name].shape)
+        assert shape == ((full[0] // pieces, full[1]) if ".lora_A." in name else (full[0], full[1] // pieces)), name
+    parity.compare(got, ref)
+    assert all(models.rel_err(r["loss"], ref["loss"]) <= parity.TOL for r in results)
+    for name, value in ref["merged"].items():
+        assert models.rel_err(got["merged"][name], value) <= parity.TOL, name
+    loaded = PeftModel.from_pretrained(load(path, impl), save).state_dict()  # a plain process, PEFT's own load
+    for name, value in ref["adapter"].items():
+        assert torch.equal(loaded[name], got["state"][name]), name
+        assert models.rel_err(loaded[name], value) <= parity.TOL, name
+
+
+def lora_error(rank: int, world: int, path: str, tensors: list[str], how: str = "",
+               impl: str | None = "grouped_mm") -> str:
+    """LoRA on ``tensors`` of the loaded model, then a forward: the error text. ``how="strip"``: a
+    PEFT that sizes the adapter from the tensor it finds (``ds_shape`` taken away first);
+    ``"second"``: a second adapter added after a forward cut the first; ``impl=None``: a model
+    without an experts implementation to choose (Llama 4)."""
+    from peft import LoraConfig
+
+    model = load(path, impl) if impl else parity._load(path)
+    for param in model.parameters():
+        if how == "strip":
+            param.__dict__.pop("ds_shape", None)
+    peft_model = lora(model, targets=(), tensors=tensors)
+    mine = {k: v[rank : rank + 1] for k, v in batch().items()}
     try:
-        model(**{k: v[rank : rank + 1] for k, v in batch().items()})
+        if how == "second":
+            peft_model(**mine)
+            peft_model.add_adapter("second", LoraConfig(r=2, target_modules=[], target_parameters=list(tensors)))
+        peft_model(**mine)
     except Exception as exc:
         return f"{type(exc).__name__}: {exc}"
     return "ok"

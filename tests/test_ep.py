@@ -63,13 +63,55 @@ def test_the_record_outlives_a_refresh(ready) -> None:
         assert got["keys"] == sorted(["_hp_bound", got["owner_key"], "_hp_watch"]), got["keys"]  # one record
 
 
-def test_lora_on_expert_parameters_is_refused(ready) -> None:
-    """PEFT sizes a target_parameters adapter from this rank's expert slice: refused, not trained wrong."""
+@pytest.fixture(scope="module")
+def lora_ref(root: str) -> tuple[str, dict]:
+    path = models.build("qwen3_moe", root)
+    return path, epwork.lora_reference(path, epwork.batch())
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_lora_on_expert_parameters_matches_one_process(ready, lora_ref, when: str, tmp_path) -> None:
+    """PEFT ``target_parameters`` on the experts' 3-D tensors, added before the first forward or
+    after ``parallelize``: each rank holds its experts' rows of the adapters (half of lora_A's rows,
+    half of lora_B's columns); loss, logits, every adapter gradient and 3 SGD steps equal one
+    process's; ``save_pretrained`` writes the one-process adapter a plain PEFT loads;
+    ``merge_and_unload`` gives one process's merged weights."""
+    pool, _ = ready
+    path, ref = lora_ref
+    epwork.check_lora(pool, path, ref, when, str(tmp_path / "adapter"), pieces=2)
+
+
+def test_lora_on_gpt_oss_transposed_experts(ready, tmp_path) -> None:
+    """GPT-OSS stores its experts ``[E, in, out]`` (PEFT's ``is_transposed`` order) beside biases the
+    adapters leave alone; every layer is an MoE layer."""
     pool, root = ready
-    for text in pool.run(epwork.lora_on_experts, models.build("qwen3_moe", root)):
+    path = models.build("gpt_oss", root)
+    ref = epwork.lora_reference(path, epwork.batch(), "eager")
+    epwork.check_lora(pool, path, ref, "before", str(tmp_path / "adapter"), 2, "eager")
+
+
+@pytest.mark.parametrize("control", ["unsummed", "contiguous"])
+def test_lora_on_expert_parameters_negative_controls(ready, lora_ref, control: str) -> None:
+    """The experts' adapters dp-averaged like a dense parameter, or lora_B cut in one block of
+    columns (not this rank's experts within each of the r blocks): both differ from one process."""
+    pool, _ = ready
+    path, ref = lora_ref
+    got = pool.run(epwork.lora_train, path, epwork.batch(), "before", "", "grouped_mm", control)[0]
+    with pytest.raises(AssertionError, match="relative errors above"):
+        parity.compare(got, ref)
+
+
+@pytest.mark.parametrize("how", ["strip", "second"])
+def test_lora_sized_from_a_shard_is_refused(ready, how: str) -> None:
+    """An adapter sized from this rank's expert slice (a PEFT that ignores ``ds_shape``, or a second
+    adapter PEFT sizes from the wrapper's local ``num_experts``): refused, not trained wrong."""
+    pool, root = ready
+    tensors = epwork.EXPERT_TENSORS
+    for text in pool.run(epwork.lora_error, models.build("qwen3_moe", root), tensors, how):
         assert text.startswith("ShardingError: model.layers.1.mlp.experts: PEFT LoRA on the parameter 'down_proj' "
-                               "(target_parameters), which hp_lazy cuts S(0) of [4, 32, 32]: PEFT sized the adapter "
-                               "from this rank's shard [2, 32, 32]"), text
+                               "(target_parameters) has lora_A of shape [4, 32], sized from this rank's [2, 32, 32] "
+                               "of the [4, 32, 32] hp_lazy cuts S(0); one process's adapter holds r x 4 experts = "
+                               "8 rows; add every adapter of these experts at once"), text
 
 
 def test_refresh_keeps_the_expert_rules(ready) -> None:

@@ -4,7 +4,8 @@ two dp ranks of each tp rank). The experts are cut on ep. Where the TP plan also
 group, computes its tp slice of its local experts, and the experts' exit all-reduce over tp sums
 the slices; where it leaves them whole (5.25's plans, GPT-OSS and Muse Spark on both), each tp
 rank dispatches its own share of the tokens and the outputs are gathered over tp. One process's
-loss, logits, routing, every gradient and 3 SGD+wd steps; the all-to-all bytes of the shares."""
+loss, logits, routing, every gradient and 3 SGD+wd steps; the all-to-all bytes of the shares;
+PEFT LoRA on the experts' tensors."""
 
 from __future__ import annotations
 
@@ -76,3 +77,12 @@ def test_tp_ranks_dispatch_their_share_of_the_tokens(ready) -> None:
     for peers in ((0, 1), (2, 3)):  # the tp ranks of one dp rank send, together, what one of them sent
         together = sum(shared[r]["all_to_all"] for r in peers)
         assert together <= 1.02 * before[peers[0]]["all_to_all"], (shared, before)
+
+
+def test_lora_on_expert_parameters_under_ep_tp(ready, tmp_path) -> None:
+    """PEFT ``target_parameters`` at ep=2 x tp=2: each rank holds its ep slice's rows of the expert
+    adapters, the tp ranks of a dp rank dispatch their shares of its tokens, and the adapters'
+    gradients are summed over edp and tp like the experts'."""
+    pool, root = ready
+    path = models.build("qwen3_moe", root)
+    epwork.check_lora(pool, path, epwork.lora_reference(path, epwork.batch()), "after", str(tmp_path / "adapter"), 2)

@@ -87,6 +87,16 @@ def test_confused_expert_ranges_fail_parity(tp2) -> None:
         parity.compare(got, ref)
 
 
+def test_lora_on_experts_split_over_tp(tp2, tmp_path) -> None:
+    """PEFT ``target_parameters`` on experts split by expert over tp: each tp rank holds its experts'
+    rows of the adapters, and the entry's backward sums the ranks' parts of every input the experts
+    take (the routing weights too: a PEFT layer passes them through positionally)."""
+    pool, root = tp2
+    path = models.build("qwen3_moe", root)
+    ref = epwork.lora_reference(path, epwork.batch())
+    epwork.check_lora(pool, path, ref, "before", str(tmp_path / "adapter"), pieces=2)
+
+
 def test_llama4_transposed_experts_match_one_process(refs, pool2: DistPool) -> None:
     """Llama 4's experts are stored ``[E, in, out]`` and planned 'packed_rowwise' (gate_up_proj: its
     packed output dim cut) beside 'colwise' (down_proj: its intermediate dim cut), under
@@ -99,6 +109,18 @@ def test_llama4_transposed_experts_match_one_process(refs, pool2: DistPool) -> N
     experts = [n for n in refs("llama4")[1]["grads"] if ".experts." in n]
     assert experts and all(shapes[n] == _llama4_local(n, world) for shapes in pool.run(_shapes, refs("llama4")[0])
                            for n in experts)
+
+
+def test_lora_on_experts_cut_within_each_expert_is_refused(refs, pool2: DistPool) -> None:
+    """Llama 4's experts cut within each expert (moe_tp_experts): PEFT's per-expert adapters have no
+    by-expert cut to follow; refused at the first forward, naming the parameter and its cut."""
+    pool = parity.activated(pool2, sequence_parallel=False)
+    tensors = ["feed_forward.experts.gate_up_proj", "feed_forward.experts.down_proj"]
+    for text in pool.run(epwork.lora_error, refs("llama4")[0], tensors, "", None):
+        assert text.startswith("ShardingError: model.layers.0.feed_forward.experts: PEFT LoRA on the parameter "
+                               "'down_proj' (target_parameters), which hp_lazy cuts S(1) of [4, 64, 32]: hp_lazy "
+                               "cuts such adapters only where the experts are cut by expert (dim 0 of the 3-D "
+                               "tensor"), text
 
 
 def _llama4_local(name: str, world: int) -> tuple[int, ...]:

@@ -78,6 +78,20 @@ def test_trainer_resumes_under_ep(ready, tmp_path, optim: str) -> None:
     assert lost > 1e-4  # transformers' resume of this MoE, one process: the experts are not restored
 
 
+def test_trainer_resumes_lora_on_experts_under_ep(ready, tmp_path) -> None:
+    """PEFT LoRA on attention and on the experts' tensors, the stock save_steps / resume cycle with
+    AdamW: PEFT's adapter file and each rank's slices of the adapters' moments (DCP) come back, so
+    the resumed run equals one process's straight run (the base is frozen: nothing else to restore)."""
+    pool, path = ready
+    ref = trainwork.trainer_resume(0, 1, path, str(tmp_path / "ref"), lora=True)
+    got = pool.run(trainwork.trainer_resume, path, str(tmp_path / "hp"), lora=True)
+    assert "adapter_model.safetensors" in got[0]["files"] and "optimizer_dcp" in got[0]["files"]
+    experts = [n for n in ref["straight"]["state"] if ".experts." in n and "lora_" in n]
+    assert len(experts) == 4
+    errors = trainwork.compare_resume(got[0], ref, trainwork.TOL["adamw_torch"])
+    assert max(errors[f"resumed {n}"] for n in experts) <= trainwork.TOL["adamw_torch"]
+
+
 @pytest.mark.parametrize("optim", ["sgd", "adamw_torch"])
 def test_trainer_resumes_a_one_process_checkpoint_under_ep(ready, tmp_path, optim: str) -> None:
     """A checkpoint one process wrote (whole optimizer states in optimizer.pt) resumed at ep=2: each

@@ -296,12 +296,13 @@ def trainer_checkpoint(rank: int, world: int, path: str, out: str) -> dict[str, 
 
 
 def trainer_resume(rank: int, world: int, path: str, out: str, optim: str = "adamw_torch",
-                   old_optimizer_pt: bool = False) -> dict[str, Any]:
+                   old_optimizer_pt: bool = False, lora: bool = False) -> dict[str, Any]:
     """The stock ``save_steps`` / ``resume_from_checkpoint`` cycle: 4 steps with a checkpoint every
     2 (model, optimizer, scheduler, RNG), then a fresh model and Trainer resumed from
     ``checkpoint-2`` to step 4. Both runs' logs (steps 3 and 4 of the resumed one) and final
     parameters; the checkpoint's files. ``old_optimizer_pt``: the negative control, the Trainer's
-    own main-process ``optimizer.pt`` (rank 0's plain shards, loaded by every rank)."""
+    own main-process ``optimizer.pt`` (rank 0's plain shards, loaded by every rank). ``lora``: the
+    model wrapped by :func:`epwork.lora` (adapters on attention and on the experts' tensors)."""
     import os
 
     import torch
@@ -321,6 +322,10 @@ def trainer_resume(rank: int, world: int, path: str, out: str, optim: str = "ada
 
     def run(resume: str | None) -> dict[str, Any]:
         model = parity._load(path)
+        if lora:
+            import epwork
+
+            model = epwork.lora(model)
         trainer = Trainer(model=model, args=args, train_dataset=Rows())
         trainer.train(resume_from_checkpoint=resume)
         logged = [h for h in trainer.state.log_history if "loss" in h]

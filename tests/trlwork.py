@@ -42,9 +42,12 @@ def _dataset(completion_only: bool):
 
 
 def sft(rank: int, world: int, path: str, out: str, packing: bool = False, completion_only: bool = False,
-        optim: str = "sgd") -> dict[str, Any]:
+        optim: str = "sgd", lora: dict[str, Any] | None = None) -> dict[str, Any]:
     """``SFTTrainer(model=..., args=SFTConfig(...), train_dataset=...).train()``, 3 steps: every rank
-    returns the logged loss, grad norm, entropy and token accuracy per step, rank 0 the parameters."""
+    returns the logged loss, grad norm, entropy and token accuracy per step, rank 0 the parameters.
+    ``lora``: a ``LoraConfig``'s arguments, handed to TRL as ``peft_config`` (TRL wraps the model)."""
+    import torch
+    from peft import LoraConfig
     from trl import SFTConfig, SFTTrainer
 
     import hp_lazy
@@ -59,7 +62,10 @@ def sft(rank: int, world: int, path: str, out: str, packing: bool = False, compl
         completion_only_loss=completion_only if completion_only else None, dataset_num_proc=None, seed=0,
         padding_free=False, bf16=False,  # TRL turns bf16 autocast on by default: parity is checked in fp32
     )
-    run = SFTTrainer(model=model, args=args, train_dataset=_dataset(completion_only), processing_class=tokenizer())
+    torch.manual_seed(7)  # the adapters' init: the same draws in every process
+    peft = LoraConfig(**lora) if lora else None
+    run = SFTTrainer(model=model, args=args, train_dataset=_dataset(completion_only), processing_class=tokenizer(),
+                     peft_config=peft)
     return _trained(rank, run, model, ("loss", "grad_norm", "entropy", "mean_token_accuracy"))
 
 

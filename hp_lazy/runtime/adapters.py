@@ -28,7 +28,9 @@ When PEFT runs after binding, the model is re-bound before its next forward (``o
 replaced submodule marks the model dirty), outside any ``torch.compile`` trace (the root's
 lazy-module hook). ``lora_dropout`` on a rowwise base draws one process's mask for the full
 input and keeps this rank's columns (on a colwise base the input is replicated: torch's own
-dropout draws one process's mask already, given ranks seeded alike). Refused with the fix: DoRA
+dropout draws one process's mask already, given ranks seeded alike). LoRA on an experts module's
+3-D tensors (``target_parameters``) is cut by expert, like the experts under ep or tp's by-expert
+split (:func:`lay_out_parameter_adapters`). Refused with the fix: DoRA
 and other LoRA variants, ``lora_bias`` on a rowwise base, adapters on a vocab-parallel embedding
 or on any tuner layer that is not a LoRA ``Linear``.
 """
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator, Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -152,24 +155,73 @@ def lay_out(
         _full_dropout_masks(tuner, tuple(c for c in cuts if c.dim == 1))
 
 
-def refuse_cut_parameter_adapters(root: nn.Module, by_param: Mapping[int, ParamLayout]) -> None:
-    """PEFT's LoRA on a parameter (``target_parameters``: a 3-D expert tensor) that hp_lazy cuts:
-    PEFT sizes such an adapter from the tensor it finds (this rank's shard, and the experts module's
-    local ``num_experts``), so each rank would train adapters of its own shape and initialisation,
-    averaged over dp like dense parameters: not one process's LoRA. Refused, naming the parameter."""
+def lay_out_parameter_adapters(
+    root: nn.Module, table: LayoutTable, by_param: dict[int, ParamLayout], groups: Mapping[str, Group]
+) -> None:
+    """PEFT's LoRA on a parameter hp_lazy cuts (``target_parameters``: an experts module's 3-D
+    ``[E, out, in]`` tensor, one adapter of rank ``r`` per expert), cut by expert like the parameter.
+
+    PEFT reads a cut parameter's full shape from ``ds_shape`` (:func:`.layout.mark_full_shape`), so
+    it makes one process's adapters (``num_experts = E``, one process's random init, broadcast from
+    rank 0 as above); hp_lazy then keeps this rank's experts' rows of each::
+
+        lora_A  [r·E, in]   rows e·r + k      S(0): this rank's experts, the parameter's cut
+        lora_B  [out, r·E]  columns k·E + e   SS(1, r): this rank's experts within each of r blocks
+
+    and sets the wrapper's ``num_experts`` to the local count, so PEFT's own forward (the delta
+    folded into the parametrized weight) and ``merge`` run on this rank's experts. The wrapper is
+    the bound experts region now, so its adapters take the experts' gradient rule (summed over edp
+    under ep; complete on each rank when tp splits the experts by expert); their ``state_dict`` is
+    full, as for the Linear adapters. Refused by name: a cut that is not by expert (5.24's
+    experts-TP, Llama 4), and an adapter PEFT sized from this rank's shard."""
     for name, module in root.named_modules():
         wanted = getattr(module, "parameter_name", None)
         if not is_tuner(module) or not isinstance(wanted, str):
             continue
         param = base_of(module)._parameters.get(wanted)
         layout = by_param.get(id(param)) if param is not None else None
-        if param is not None and layout is not None and layout.shards:
-            raise ShardingError(
-                f"{name}: PEFT LoRA on the parameter {wanted!r} (target_parameters), which hp_lazy cuts "
-                f"{layout.describe()} of {list(layout.full_shape)}: PEFT sized the adapter from this rank's shard "
-                f"{list(param.shape)}, so it is not one process's LoRA; target the attention and dense MLP modules "
-                "(target_modules), or train these experts without ep and tp"
-            )
+        if param is None or layout is None or not layout.shards:
+            continue
+        made: dict[str, ParamLayout] = {}
+        for adapter, lora_a in module.lora_A.items():
+            a, b = lora_a.weight, module.lora_B[adapter].weight
+            if id(a) in by_param:  # laid out at an earlier bind; a refresh sees it again
+                made[f"lora_A.{adapter}.weight"], made[f"lora_B.{adapter}.weight"] = by_param[id(a)], by_param[id(b)]
+                continue
+            rank = module.r[adapter]
+            _refuse_parameter_adapter(name, wanted, layout, param, tuple(a.shape), rank)
+            for pname, weight, shards in (
+                (f"lora_A.{adapter}.weight", a, layout.shards),  # by expert: dim 0, one block (checked)
+                (f"lora_B.{adapter}.weight", b, tuple(replace(c, dim=1, blocks=rank) for c in layout.shards)),
+            ):
+                fresh = _broadcast(weight)
+                full = ParamLayout(fqn=f"{name}.{pname}", full_shape=tuple(fresh.shape), shards=shards)
+                shard_in_place(weight, full)
+                table.add(full)
+                by_param[id(weight)] = made[pname] = full
+        module.num_experts = layout.local_shape[0]
+        _hook_state_dict(module, made, groups)
+
+
+def _refuse_parameter_adapter(
+    where: str, wanted: str, layout: ParamLayout, param: nn.Parameter, a_shape: tuple[int, ...], rank: int
+) -> None:
+    experts = layout.full_shape[0]
+    if len(layout.full_shape) != 3 or any(c.dim != 0 or c.blocks != 1 for c in layout.shards):
+        raise ShardingError(
+            f"{where}: PEFT LoRA on the parameter {wanted!r} (target_parameters), which hp_lazy cuts "
+            f"{layout.describe()} of {list(layout.full_shape)}: hp_lazy cuts such adapters only where the experts are "
+            "cut by expert (dim 0 of the 3-D tensor: ep, or Plan.auto's by-expert split over tp); target the "
+            "attention and dense MLP modules (target_modules) instead, or split these experts by expert"
+        )
+    if a_shape[0] != rank * experts:
+        raise ShardingError(
+            f"{where}: PEFT LoRA on the parameter {wanted!r} (target_parameters) has lora_A of shape "
+            f"{list(a_shape)}, sized from this rank's {list(param.shape)} of the {list(layout.full_shape)} hp_lazy "
+            f"cuts {layout.describe()}; one process's adapter holds r x {experts} experts = {rank * experts} rows; "
+            "add every adapter of these experts at once, before the forward that cuts them (PEFT sizes a later one "
+            "from the wrapper's local num_experts), with a PEFT that sizes them from ds_shape"
+        )
 
 
 def _saved_bases() -> tuple[str, ...]:

@@ -182,7 +182,7 @@ def _bind_root(
             setattr(module, BINDING, None)
             continue
         _bind_boundary(fqn, module, contract, ctx, styles)
-    adapters.refuse_cut_parameter_adapters(root, ctx.by_param)
+    adapters.lay_out_parameter_adapters(root, ctx.table, ctx.by_param, ctx.groups)
     mixers.gather_mixers(ctx)
     inputs.cut_layer_inputs(ctx)
     inputs.refuse_outside_calls(ctx)

@@ -201,3 +201,12 @@ def shard_in_place(param: nn.Parameter, layout: ParamLayout) -> None:
         )
     with torch.no_grad():
         param.data = layout.local(param.data)
+    mark_full_shape(param, layout)
+
+
+def mark_full_shape(param: nn.Parameter, layout: ParamLayout) -> None:
+    """Give a cut parameter its full shape as ``ds_shape``: the attribute PEFT reads for the real
+    shape of a parameter held in shards (DeepSpeed ZeRO-3's name for it), so the LoRA adapters PEFT
+    sizes from a 3-D expert tensor are one process's (:mod:`hp_lazy.runtime.adapters`)."""
+    if layout.shards:
+        param.ds_shape = torch.Size(layout.full_shape)  # type: ignore[attr-defined]

@@ -150,7 +150,7 @@ def refresh(model: nn.Module) -> None:
     found = [(n, m, b.contract) for n, m in model.named_modules() if isinstance(b := m.__dict__.get(BINDING), Binding)]
     for fqn, module, _ in found:
         adapters.lay_out(fqn, module, table, by_param, table.groups)
-    adapters.refuse_cut_parameter_adapters(model, by_param)
+    adapters.lay_out_parameter_adapters(model, table, by_param, table.groups)
     _, _, lowered = next(outermost_roots(model))
     ctx = BindContext(root=model, plan=lowered.plan, mesh=bound.mesh, groups=table.groups, table=table, bound=found)
     ctx.by_param = by_param

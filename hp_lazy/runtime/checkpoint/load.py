@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor
 
 from hp_lazy.runtime import record, registry
 from hp_lazy.runtime.checkpoint import convert
-from hp_lazy.runtime.layout import ParamLayout
+from hp_lazy.runtime.layout import ParamLayout, mark_full_shape
 
 _PATCHED: list[Any] = []
 
@@ -120,8 +120,13 @@ def _give_state_dict_face(model: nn.Module) -> None:
     from hp_lazy.runtime.checkpoint import hooks
 
     laid_out = record.of(model)
-    if laid_out is not None:
-        hooks.install(model, laid_out.table, laid_out.mesh)
+    if laid_out is None:
+        return
+    hooks.install(model, laid_out.table, laid_out.mesh)
+    for name, param in model.named_parameters():  # the new local Parameters: PEFT reads their full shape
+        layout = laid_out.table.get(name) if laid_out.table is not None else None
+        if layout is not None:
+            mark_full_shape(param, layout)
 
 
 def _to_local(model: nn.Module, whole: dict[str, ParamLayout]) -> None:
