@@ -36,16 +36,18 @@ def test_sft_trainer_under_ep(ready, tmp_path) -> None:
     trlwork.compare(got[1], {k: v for k, v in ref.items() if k != "state"})
 
 
-def test_sft_trainer_lora_on_experts_under_ep(ready, tmp_path) -> None:
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "gradient_checkpointing"])
+def test_sft_trainer_lora_on_experts_under_ep(ready, tmp_path, checkpointing: bool) -> None:
     """TRL's ``peft_config`` with ``target_parameters`` on the experts' 3-D tensors (TRL's recipe for
     MoE LoRA) beside attention adapters: TRL wraps the model; one process's logged numbers and every
-    parameter (the adapters gathered) after 3 steps."""
+    parameter (the adapters gathered) after 3 steps; with gradient checkpointing too (each layer's
+    dispatch runs again in backward, on every rank in the same order)."""
     pool, path = ready
     lora = {"r": 2, "lora_alpha": 4, "target_modules": ["q_proj", "v_proj"],
             "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}
-    ref = trlwork.sft(0, 1, path, str(tmp_path / "ref"), lora=lora)
+    ref = trlwork.sft(0, 1, path, str(tmp_path / "ref"), lora=lora, checkpointing=checkpointing)
     assert sum(".experts." in n and "lora_B" in n for n in ref["state"]) == 2
-    got = pool.run(trlwork.sft, path, str(tmp_path / "hp"), lora=lora)
+    got = pool.run(trlwork.sft, path, str(tmp_path / "hp"), lora=lora, checkpointing=checkpointing)
     trlwork.compare(got[0], ref)
 
 

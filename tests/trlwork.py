@@ -42,10 +42,11 @@ def _dataset(completion_only: bool):
 
 
 def sft(rank: int, world: int, path: str, out: str, packing: bool = False, completion_only: bool = False,
-        optim: str = "sgd", lora: dict[str, Any] | None = None) -> dict[str, Any]:
+        optim: str = "sgd", lora: dict[str, Any] | None = None, checkpointing: bool = False) -> dict[str, Any]:
     """``SFTTrainer(model=..., args=SFTConfig(...), train_dataset=...).train()``, 3 steps: every rank
     returns the logged loss, grad norm, entropy and token accuracy per step, rank 0 the parameters.
-    ``lora``: a ``LoraConfig``'s arguments, handed to TRL as ``peft_config`` (TRL wraps the model)."""
+    ``lora``: a ``LoraConfig``'s arguments, handed to TRL as ``peft_config`` (TRL wraps the model);
+    ``checkpointing``: ``gradient_checkpointing=True`` (TRL's default is off)."""
     import torch
     from peft import LoraConfig
     from trl import SFTConfig, SFTTrainer
@@ -61,6 +62,7 @@ def sft(rank: int, world: int, path: str, out: str, packing: bool = False, compl
         save_strategy="no", use_cpu=True, disable_tqdm=True, packing=packing, max_length=SEQ * 2 if packing else SEQ,
         completion_only_loss=completion_only if completion_only else None, dataset_num_proc=None, seed=0,
         padding_free=False, bf16=False,  # TRL turns bf16 autocast on by default: parity is checked in fp32
+        gradient_checkpointing=checkpointing,
     )
     torch.manual_seed(7)  # the adapters' init: the same draws in every process
     peft = LoraConfig(**lora) if lora else None
