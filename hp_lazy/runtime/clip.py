@@ -49,7 +49,7 @@ from hp_lazy.runtime import record
 from hp_lazy.runtime.comm import wire
 from hp_lazy.runtime.grads import owner_of
 from hp_lazy.runtime.layout import ParamLayout
-from hp_lazy.runtime.mesh import WORLD_AXES, Mesh
+from hp_lazy.runtime.mesh import EDP, WORLD_AXES, Mesh
 from hp_lazy.runtime.record import tables
 
 __all__ = ["clip_grad_norm_", "get_total_norm", "install", "register"]
@@ -179,18 +179,20 @@ def _local(grad: torch.Tensor, piece: _Piece) -> tuple[torch.Tensor, bool]:
     """This rank's values of ``grad`` and whether this rank counts them."""
     dp_sharded = False
     if hasattr(grad, "to_local") and hasattr(grad, "placements"):  # a DTensor (FSDP2 over dp)
-        dp_sharded = _fsdp_sharded(grad, piece.fqn)
+        dp_sharded = _fsdp_sharded(grad, piece)
         grad = grad.to_local()
     return grad, _counted(piece, dp_sharded)
 
 
-def _fsdp_sharded(grad: Any, fqn: str) -> bool:
+def _fsdp_sharded(grad: Any, piece: _Piece) -> bool:
     names = tuple(grad.device_mesh.mesh_dim_names or ())
-    if names != ("dp",) or any(p.is_partial() for p in grad.placements):
+    expert = piece.layout is not None and piece.layout.on("ep") is not None
+    if names != ((EDP,) if expert else ("dp",)) or any(p.is_partial() for p in grad.placements):
         raise ShardingError(
-            f"clip_grad_norm_: the gradient of {fqn} is a DTensor on the mesh {names} with placements "
+            f"clip_grad_norm_: the gradient of {piece.fqn} is a DTensor on the mesh {names} with placements "
             f"{tuple(grad.placements)}; hp_lazy counts DTensor gradients only as FSDP2 leaves them on hp_lazy's dp "
-            "sub-mesh (fully_shard(..., mesh=hp_lazy.mesh().device_mesh['dp']))"
+            "sub-mesh (fully_shard(..., mesh=hp_lazy.mesh().device_mesh['dp'])), and an expert slice's on its "
+            "edp mesh (hp_lazy.mesh().edp_mesh())"
         )
     return any(p.is_shard() for p in grad.placements)
 
@@ -204,10 +206,8 @@ def _counted(piece: _Piece, dp_sharded: bool) -> bool:
         return False
     dp, cp = mesh.group("dp"), mesh.group("cp")
     ep = layout.on("ep") if layout is not None else None
-    if dp_sharded:
-        if ep is not None:
-            raise ShardingError(f"clip_grad_norm_: {piece.fqn} is cut on ep and sharded by FSDP2; not implemented")
-        return cp.rank == 0
+    if dp_sharded:  # FSDP2's chunk: distinct on every dp rank, an expert slice's on every token rank (edp x ep)
+        return ep is not None or cp.rank == 0
     token = dp.rank * cp.size + cp.rank  # ep groups are runs of ep consecutive token ranks
     if ep is not None:
         return token < ep.size and (token % ep.size) % ep.replicas == 0
@@ -247,6 +247,28 @@ def install() -> None:
     routed.__wrapped__ = stock  # type: ignore[attr-defined]
     clip_grad._get_total_norm = routed  # clip_grad_norm_ calls it by this name
     utils.get_total_norm = routed
+    scale = getattr(clip_grad, "_clip_grads_with_norm_", None)
+    if scale is not None:
+        clip_grad._clip_grads_with_norm_ = utils.clip_grads_with_norm_ = _per_mesh(scale)
+
+
+def _per_mesh(stock: Callable[..., None]) -> Callable[..., None]:
+    """torch's scaling of the gradients by the clip coefficient, once per DTensor mesh: one
+    ``_foreach_mul_`` over FSDP2 gradients on two meshes (the dense parameters' dp, the experts'
+    edp) is refused by DTensor."""
+
+    def clip_grads_with_norm_(parameters: Any, max_norm: float, total_norm: torch.Tensor,
+                              foreach: bool | None = None) -> None:
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        by_mesh: dict[int, list[torch.Tensor]] = {}
+        for param in params:
+            by_mesh.setdefault(id(getattr(param.grad, "device_mesh", None)), []).append(param)
+        for group in by_mesh.values() if len(by_mesh) > 1 else [params]:
+            stock(group, max_norm, total_norm, foreach)
+
+    clip_grads_with_norm_.__doc__ = stock.__doc__
+    clip_grads_with_norm_.__wrapped__ = stock  # type: ignore[attr-defined]
+    return clip_grads_with_norm_
 
 
 def _refused(stock: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:

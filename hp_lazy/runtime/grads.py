@@ -20,8 +20,13 @@ Rules, per parameter (a :class:`GradRule`; the styles say which parameters are p
   holding the same slice, ``dp * cp / ep``) and divided by dp like every dense gradient, which
   makes it one process's gradient over the concatenated global batch; where the experts are whole
   on tp and each tp rank dispatched its own share of the tokens, over the edp ranks of every tp
-  rank (``"edp+tp"``). Expert parallel needs
-  hp_lazy to own dp (``data_parallel=True``): DDP would average it over every dp rank.
+  rank (``"edp+tp"``). With FSDP2 owning dp (``data_parallel=False``) the experts module is
+  sharded over its edp ranks (``fully_shard(experts, mesh=hp_lazy.mesh().edp_mesh())``, FSDP2's
+  default divisor): FSDP2 averages the slice over them, and hp_lazy scales the gradient by
+  ``edp / dp`` in the hook before (and sums it over tp for ``"edp+tp"``), which makes the same sum
+  divided by dp. The check before each forward refuses an experts module FSDP2 shards over other
+  ranks, with a divide factor of its own, or together with dense parameters, and torch DDP, which
+  would average the expert slices over every dp rank.
 
 When (:class:`BucketReducer`, hp_lazy owns every reduction): parameters are grouped into buckets
 per (group, dtype, device), in reverse registration order (about the order backward produces
@@ -66,17 +71,21 @@ __all__ = ["GradOwner", "GradRule", "no_sync"]
 @dataclass(frozen=True, kw_only=True)
 class GradRule:
     """Sum the gradient over the ranks of ``axes`` (world axes), then divide by ``average``;
-    with ``slots > 1`` only ranks holding the same piece (``slot``) are summed."""
+    with ``slots > 1`` only ranks holding the same piece (``slot``) are summed. ``scale``: a
+    factor applied last (an expert slice under FSDP2, which averages it over its edp ranks:
+    ``edp / dp`` makes that one process's gradient; with ``data_parallel=False`` only)."""
 
     axes: tuple[str, ...]
     average: int = 1
     slots: int = 1
     slot: int = 0
+    scale: float = 1.0
 
     def describe(self) -> str:
         held = f" (piece {self.slot} of {self.slots})" if self.slots > 1 else ""
         mean = f", / {self.average}" if self.average > 1 else ""
-        return f"sum over {'x'.join(self.axes)}{held}{mean}"
+        scaled = f", x {self.scale:g}" if self.scale != 1.0 else ""
+        return f"sum over {'x'.join(self.axes) or 'nothing'}{held}{mean}{scaled}"
 
 
 def owner_of(root: nn.Module) -> GradOwner | None:
@@ -314,7 +323,8 @@ def _summed(grad: torch.Tensor, rule: GradRule, group: Group) -> torch.Tensor:
     stack = grad.new_zeros((rule.slots, grad.numel()))
     stack[rule.slot] = grad.reshape(-1)
     wire.all_reduce_(stack, group)
-    return stack[rule.slot].view_as(grad) / rule.average if rule.average > 1 else stack[rule.slot].view_as(grad)
+    out = stack[rule.slot].view_as(grad) / rule.average if rule.average > 1 else stack[rule.slot].view_as(grad)
+    return out * rule.scale if rule.scale != 1.0 else out
 
 
 class GradOwner:
@@ -328,10 +338,13 @@ class GradOwner:
         *,
         data_parallel: bool,
         bucket_cap_mb: float = 25.0,
+        experts: frozenset[str] = frozenset(),
     ) -> None:
         self.rules = dict(rules)
         self.mesh = mesh
         self.data_parallel = data_parallel
+        self.experts = experts  # the expert slices' FQNs (FSDP2 owning dp must shard them over edp)
+        self._fsdp_checked: dict[int, weakref.ref[nn.Module]] = {}
         params = dict(root.named_parameters())
         entries = [_Entry(fqn=fqn, param=params[fqn], rule=rule) for fqn, rule in self.rules.items()]
         self.owns_dp = data_parallel and mesh.degree("dp") > 1
@@ -391,6 +404,14 @@ class GradOwner:
         DDP broadcasts rank 0's shards to its tp peers and averages different shards together."""
         dp = _ranks(self.mesh.group("dp"))
         ddp = DistributedDataParallel._get_active_ddp_module()
+        if ddp is not None and self.experts:
+            raise ShardingError(
+                f"hp_lazy: this model runs inside torch DistributedDataParallel, which averages every gradient over "
+                f"the dp ranks {_pg_ranks(ddp.process_group)}, but under expert parallel (ep={self.mesh.ep}) each "
+                f"expert slice ({sorted(self.experts)[0]}, ...) is held only by its expert-data-parallel ranks; drop "
+                "DDP (data_parallel=True: hp_lazy reduces every gradient) or use FSDP2 with the experts over "
+                "hp_lazy.mesh().edp_mesh()"
+            )
         if ddp is not None and _pg_ranks(ddp.process_group) != dp:
             raise ShardingError(
                 f"hp_lazy: this model runs inside torch DistributedDataParallel over ranks "
@@ -401,15 +422,62 @@ class GradOwner:
         from torch.distributed.fsdp import FSDPModule  # imported by then (accelerate, transformers)
 
         for name, module in root.named_modules():
-            if not isinstance(module, FSDPModule):  # a type test per module, no attribute lookups: every forward
+            sharded = isinstance(module, FSDPModule)  # a type test per module, no attribute lookups: every forward
+            if not sharded:
+                continue
+            seen = self._fsdp_checked.get(id(module))
+            if seen is not None and seen() is module:
                 continue
             mesh = _fsdp_mesh(module)
-            if mesh is not None and mesh.ndim == 1 and _pg_ranks(mesh.get_group()) != dp:
+            where = name or type(root).__name__
+            experts = [f for f in _fsdp_managed(module, name) if f in self.experts] if self.experts else []
+            if experts:
+                self._check_fsdp_experts(name, where, module, mesh, experts)
+            elif mesh is not None and mesh.ndim == 1 and _pg_ranks(mesh.get_group()) != dp:
                 raise ShardingError(
-                    f"hp_lazy: {name or type(root).__name__} is sharded by FSDP2 over ranks "
+                    f"hp_lazy: {where} is sharded by FSDP2 over ranks "
                     f"{_pg_ranks(mesh.get_group())}, but hp_lazy's shards are held alike only by the data-parallel "
                     f"ranks {dp}; pass fully_shard(module, mesh=hp_lazy.mesh().device_mesh['dp'])"
                 )
+            self._fsdp_checked[id(module)] = weakref.ref(module)
+
+    def _check_fsdp_experts(self, name: str, where: str, module: nn.Module, mesh: Any, experts: list[str]) -> None:
+        """An FSDP2 module holding expert slices: over the edp ranks, FSDP2's own average, nothing else."""
+        managed = _fsdp_managed(module, name)
+        dense = [f for f in managed if f not in self.experts]
+        if dense:
+            raise ShardingError(
+                f"hp_lazy: {where} is sharded by FSDP2 with the expert slices {experts[:2]} and the dense parameters "
+                f"{dense[:2]} together, but the slices are held alike only by their expert-data-parallel ranks; "
+                f"call fully_shard(<experts module>, mesh=hp_lazy.mesh().edp_mesh()) before fully_shard({where}, ...)"
+            )
+        edp = _ranks(self.mesh.group_of((EDP,)))
+        ranks = _pg_ranks(mesh.get_group()) if mesh is not None and mesh.ndim == 1 else None
+        if ranks != edp:
+            raise ShardingError(
+                f"hp_lazy: {where} holds the expert slices {experts[:2]} and is sharded by FSDP2 over ranks {ranks}, "
+                f"but they are held alike only by the expert-data-parallel ranks {edp}; pass "
+                "fully_shard(module, mesh=hp_lazy.mesh().edp_mesh())"
+            )
+        state = getattr(module, "_get_fsdp_state")()  # noqa: B009 - an FSDPModule, typed nn.Module here
+        factor = getattr(state._fsdp_param_group, "gradient_divide_factor", None)
+        if factor is not None:
+            raise ShardingError(
+                f"hp_lazy: {where} holds expert slices and FSDP2 divides their gradients by {factor} (its divide "
+                f"factor), but hp_lazy already scales them by edp/dp for FSDP2's average over the {len(edp)} edp "
+                "ranks (one process's gradient is their sum divided by dp); leave the divide factor unset"
+            )
+
+
+def _fsdp_managed(module: nn.Module, name: str) -> list[str]:
+    """The FQNs of the parameters FSDP2's ``fully_shard(module)`` manages: its own, less those of
+    submodules sharded on their own (``name``: the module's FQN in the bound model)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    inner = [n for n, m in module.named_modules() if n and isinstance(m, FSDPModule)]
+    prefix = f"{name}." if name else ""
+    return [prefix + n for n, _ in module.named_parameters()
+            if not any(n.startswith(f"{i}.") for i in inner)]
 
 
 def _fsdp_mesh(module: Any) -> Any:
@@ -442,13 +510,8 @@ def rules_for(
     parameters whose gradient is a partial sum over an axis (from the styles); dp averaging is
     added to every parameter when hp_lazy owns dp, and a sum over cp under context parallel;
     expert shards (axis ``"edp"``) are summed over the ranks holding the same slice only."""
-    if mesh.ep > 1 and not data_parallel:
-        raise ShardingError(
-            f"hp_lazy: expert parallel (ep={mesh.ep}) with data_parallel=False: torch DDP or FSDP2 would average "
-            "the expert shards over every dp rank, but each is held by only the ranks of its expert-data-parallel "
-            "group; activate with data_parallel=True (hp_lazy then reduces every gradient)"
-        )
     dp = mesh.degree("dp") if data_parallel else 1
+    edp = mesh.degree("dp") * mesh.degree("cp") // max(mesh.ep, 1)  # ranks holding one expert slice
     rules: dict[str, GradRule] = {}
     for fqn, param in root.named_parameters():
         if not param.requires_grad:
@@ -457,11 +520,17 @@ def rules_for(
         if mesh.degree("cp") > 1:  # each cp rank's backward gives its own tokens' part: summed
             axes = (*axes, "cp")
         slots, slot = 1, 0
-        if partial.get(fqn, ("",))[0] == EDP:
+        kind = partial.get(fqn, ("",))[0]
+        if kind in (EDP, EDP_TP) and not data_parallel:  # FSDP2 averages over the edp mesh (GradOwner.check)
+            scale = edp / mesh.degree("dp")
+            if kind == EDP_TP or scale != 1.0:  # and the tp ranks' token shares are summed here
+                rules[fqn] = GradRule(axes=("tp",) if kind == EDP_TP else (), scale=scale)
+            continue
+        if kind == EDP:
             if mesh.degree("dp") * mesh.degree("cp") > mesh.ep or dp > 1:  # edp ranks, or the dp mean
                 rules[fqn] = GradRule(axes=(EDP,), average=dp)
             continue
-        if partial.get(fqn, ("",))[0] == EDP_TP:  # and the tp ranks' token shares
+        if kind == EDP_TP:  # and the tp ranks' token shares
             rules[fqn] = GradRule(axes=(EDP_TP,), average=dp)
             continue
         if fqn in partial:

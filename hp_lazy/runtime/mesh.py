@@ -199,6 +199,7 @@ class Mesh:
     ep: int = 1
     _groups: dict[tuple[str, ...], Group] = field(default_factory=dict, compare=False, repr=False)
     _expert: list[DeviceMesh] = field(default_factory=list, compare=False, repr=False)
+    _edp: list[DeviceMesh] = field(default_factory=list, compare=False, repr=False)
     control: Any = field(default=None, compare=False, repr=False)
     """A gloo group over the world for arrival checks (:func:`check_arrival`); None at world 1."""
 
@@ -273,6 +274,30 @@ class Mesh:
             mesh=ranks.reshape(tuple(sizes[name] for name in kept)), mesh_dim_names=tuple(kept),
         ))
         return self._expert[0]
+
+    def edp_mesh(self) -> DeviceMesh:
+        """This rank's expert-data-parallel ranks (those holding its expert slice) as a 1-D torch
+        ``DeviceMesh`` named ``edp`` — one rank where ``ep = dp * cp``: the mesh FSDP2 shards the
+        experts over under expert parallel (``fully_shard(experts, mesh=hp_lazy.mesh().edp_mesh())``,
+        and ``set_gradient_divide_factor(dp)``: see :mod:`hp_lazy.runtime.grads`). Built once (a
+        collective the first time: every rank calls it)."""
+        if self._edp:
+            return self._edp[0]
+        from torch.distributed.device_mesh import DeviceMesh
+
+        if self.device_mesh is None or self.ep == 1:
+            raise ShardingError(
+                f"hp_lazy mesh: edp_mesh() needs expert parallel (ep={self.ep}); activate with ep > 1"
+            )
+        group = self.group_of((EDP,))
+        pg = group.pg
+        if pg is None:  # one rank per expert slice: a mesh of this rank alone
+            pg, _ = dist.new_subgroups(group_size=1)  # a collective over the world
+        ranks = sorted(dist.get_process_group_ranks(pg))
+        self._edp.append(DeviceMesh.from_group(
+            pg, self.device_mesh.device_type, mesh=torch.tensor(ranks), mesh_dim_names=(EDP,)
+        ))
+        return self._edp[0]
 
     def _runs(self, axes: tuple[str, ...]) -> list[list[int]]:
         assert self.device_mesh is not None

@@ -27,6 +27,7 @@ from hp_lazy.runtime.bind import bind_layout, outermost_roots, tied_to_a_shard
 from hp_lazy.runtime.binding import Binding
 from hp_lazy.runtime.grads import GradOwner, rules_for
 from hp_lazy.runtime.layout import LayoutTable, ParamLayout
+from hp_lazy.runtime.mesh import EDP, EDP_TP
 from hp_lazy.runtime.record import BoundModel, Watch
 from hp_lazy.runtime.style import BindContext
 from hp_lazy.runtime.tp import logprobs
@@ -169,7 +170,9 @@ def _own_gradients(model: nn.Module, bound: BoundModel, data_parallel: bool | No
     opts = options.current()
     dp = opts.data_parallel if data_parallel is None else data_parallel
     rules = rules_for(model, bound.partial, bound.mesh, data_parallel=dp)
-    bound.grads = GradOwner(model, rules, bound.mesh, data_parallel=dp, bucket_cap_mb=opts.bucket_cap_mb)
+    experts = frozenset(fqn for fqn, (axis, *_) in bound.partial.items() if axis in (EDP, EDP_TP))
+    bound.grads = GradOwner(model, rules, bound.mesh, data_parallel=dp, bucket_cap_mb=opts.bucket_cap_mb,
+                            experts=experts)
 
 
 def _check_after_load(model: nn.Module, table: LayoutTable | None) -> None:
