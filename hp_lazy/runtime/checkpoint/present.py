@@ -18,7 +18,9 @@ ep and ``SS(-2,2)`` on tp is ``[Replicate, Shard(0), _StridedShard(-2, 2)]`` the
 one chunk per (expert slice, packed block). Under FSDP2 over dp (``fully_shard(...,
 mesh=device_mesh["dp"])``), FSDP2 holds each shard as a DTensor over dp chunking the shard's dim ``k``;
 that is presented as the full tensor with ``Shard(k)`` on dp beside the cut (``_StridedShard(k,
-pieces)`` where the cut is on ``k`` too), DCP told the exact blocks. Refused, naming the tensor: two
+pieces)`` where the cut is on ``k`` too), DCP told the exact blocks; an expert slice FSDP2 shards
+over its edp ranks (``fully_shard(experts, mesh=hp_lazy.mesh().edp_mesh())``) likewise, with
+``Shard(k)`` on the expert mesh's edp dim. Refused, naming the tensor: two
 axes cutting one dim, a packed piece kept on several ranks, an optimizer state that is not shaped like
 its parameter's shard, an FSDP2 DTensor on another mesh (HSDP) or chunking a packed dim. Accepted on
 load: a DTensor laid out exactly as this rank's shard, or the full tensor (sliced here); a tensor of
@@ -41,7 +43,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from hp_lazy.errors import ShardingError
 from hp_lazy.runtime.layout import AxisShard, LayoutTable, ParamLayout
-from hp_lazy.runtime.mesh import Mesh
+from hp_lazy.runtime.mesh import EDP, Mesh
 
 _SUB_MESHES: dict[tuple[int, int], Any] = {}
 """(id of the root device mesh, copies) -> its tp dim split into pieces x copies (built once)."""
@@ -101,30 +103,32 @@ class Presentation:
         splits again) beside the layout's own placements. DCP is told this rank's blocks directly."""
         layout = self._layout(fqn)
         name = what or "the tensor"
-        fsdp = _fsdp_cut(value, self.mesh)
+        axis = _fsdp_axis(layout)
+        fsdp = _fsdp_cut(value, axis)
         cuts = layout.shards
-        if fsdp is None or tuple(value.shape) != layout.local_shape or any(cut.axis == "ep" for cut in cuts):
+        if fsdp is None or tuple(value.shape) != layout.local_shape:
+            mesh = "edp_mesh()" if axis == EDP else "device_mesh['dp']"
             raise ShardingError(
                 f"{fqn}: {name} is a DTensor of shape {list(value.shape)} placed {list(value.placements)} on "
                 f"{value.device_mesh}; hp_lazy presents FSDP2's DTensors of its shards ({layout.describe()} of "
                 f"{list(layout.full_shape)}, shaped {list(layout.local_shape)}) only as fully_shard(..., "
-                "mesh=hp_lazy.mesh().device_mesh['dp']) makes them (one Shard placement on dp); "
-                + _fix("DCP")
+                f"mesh=hp_lazy.mesh().{mesh}) makes them (one Shard placement on {axis}); " + _fix("DCP")
             )
-        dim = fsdp.dim % len(layout.full_shape)
-        if any(cut.dim % len(layout.full_shape) == dim and cut.blocks > 1 for cut in cuts):
+        rank = len(layout.full_shape)
+        dim = fsdp.dim % rank
+        if any(cut.dim % rank == dim and cut.blocks > 1 for cut in cuts):
             raise ShardingError(
-                f"{fqn}: FSDP2 chunks dim {dim} of a packed shard ({layout.describe()}) over dp, which crosses its "
-                "blocks; hp_lazy cannot present that to checkpoints; shard it on another dim (fully_shard's "
+                f"{fqn}: FSDP2 chunks dim {dim} of a packed shard ({layout.describe()}) over {axis}, which crosses "
+                "its blocks; hp_lazy cannot present that to checkpoints; shard it on another dim (fully_shard's "
                 "shard_placement_fn) or " + _fix("DCP")
             )
         device_mesh, placements, _ = self._spec(fqn)
-        on_dp = _StridedShard(dim, split_factor=cuts[0].pieces) if cuts[0].dim % len(layout.full_shape) == dim \
-            else DShard(dim)
+        same = [cut for cut in cuts if cut.dim % rank == dim]  # FSDP2 splits the piece that cut made again
+        on_axis = _StridedShard(dim, split_factor=same[0].pieces) if same else DShard(dim)
         names = list(device_mesh.mesh_dim_names or ())
-        if "dp" not in names:
-            raise ShardingError(f"{fqn}: FSDP2 shards it over dp, which the mesh {names} lacks; this is a bug")
-        placements = tuple(on_dp if n == "dp" else p for n, p in zip(names, placements, strict=True))
+        if axis not in names and fsdp.ranks > 1:
+            raise ShardingError(f"{fqn}: FSDP2 shards it over {axis}, which the mesh {names} lacks; this is a bug")
+        placements = tuple(on_axis if n == axis else p for n, p in zip(names, placements, strict=True))
         full = torch.Size(layout.full_shape)
         out = DTensor.from_local(
             value._local_tensor, device_mesh, placements, run_check=False, shape=full, stride=_contiguous_strides(full)
@@ -171,7 +175,7 @@ class Presentation:
         """FSDP2's DTensor (placed like ``like``) of what a caller loads: our DTensor over dp (DCP wrote
         into it) or the full tensor, cut to the shard and then to FSDP2's chunk."""
         layout = self._layout(fqn)
-        fsdp = _fsdp_cut(like, self.mesh)
+        fsdp = _fsdp_cut(like, _fsdp_axis(layout))
         if fsdp is None:  # present() refused this parameter's face already
             raise ShardingError(f"{fqn}: FSDP2's DTensor placed {list(like.placements)} has no face; this is a bug")
         spec = (like.device_mesh, like.placements)
@@ -348,27 +352,34 @@ def _not_picklable(fqn: str) -> Callable[..., Any]:
 
 @dataclass(frozen=True)
 class _FsdpCut:
-    """FSDP2's chunk of this rank's shard: ``size`` elements of dim ``dim`` from ``start``."""
+    """FSDP2's chunk of this rank's shard: ``size`` elements of dim ``dim`` from ``start``, one of
+    ``ranks`` chunks."""
 
     dim: int
     start: int
     size: int
+    ranks: int
 
 
-def _fsdp_cut(value: DTensor, mesh: Mesh) -> _FsdpCut | None:
+def _fsdp_axis(layout: ParamLayout) -> str:
+    """The axis FSDP2 shards a parameter over: an expert slice's edp ranks, anything else's dp."""
+    return EDP if layout.on("ep") is not None else "dp"
+
+
+def _fsdp_cut(value: DTensor, axis: str) -> _FsdpCut | None:
     """Where FSDP2's DTensor ``value`` (of this rank's shard) keeps its local part: one ``Shard(k)``
-    on the dp mesh of hp_lazy's mesh (torch.chunk's sizes: the last ranks' chunks may be short or
-    empty), else ``None``."""
-    if value.device_mesh.mesh_dim_names != ("dp",) or len(value.placements) != 1:
+    on a 1-D mesh named ``axis`` (hp_lazy's dp, or an expert slice's edp mesh; torch.chunk's sizes:
+    the last ranks' chunks may be short or empty), else ``None``."""
+    if value.device_mesh.mesh_dim_names != (axis,) or len(value.placements) != 1:
         return None
     placement = value.placements[0]
     if type(placement) is not DShard:
         return None
-    dp = mesh.group("dp")
+    ranks, index = value.device_mesh.size(0), value.device_mesh.get_local_rank(0)
     dim = placement.dim % value.dim()
-    step = -(-value.shape[dim] // dp.size)
-    start = min(dp.rank * step, value.shape[dim])
-    return _FsdpCut(dim, start, min(step, value.shape[dim] - start))
+    step = -(-value.shape[dim] // ranks)
+    start = min(index * step, value.shape[dim])
+    return _FsdpCut(dim, start, min(step, value.shape[dim] - start), ranks)
 
 
 def _over_dp(
