@@ -510,6 +510,77 @@ def lora_error(rank: int, world: int, path: str, tensors: list[str], how: str = 
     return "ok"
 
 
+def fsdp_model(path: str, wrap: str = "edp", impl: str = "grouped_mm"):
+    """The bound model with FSDP2 owning dp (``data_parallel=False``), as torchtitan lays it out:
+    each experts module over its edp ranks (``hp_lazy.mesh().edp_mesh()``), then each decoder layer
+    and the root over dp. Wrong wraps, for the refusals: ``"inside"`` the experts left to their
+    layer's FSDP2 over dp; ``"dp"`` the experts on their own but over dp; ``"factor"`` a divide
+    factor of FSDP2's own on the experts."""
+    from torch.distributed.fsdp import fully_shard
+
+    import hp_lazy
+
+    model = hp_lazy.parallelize(load(path, impl), data_parallel=False)
+    mesh = hp_lazy.mesh()
+    dp_mesh = mesh.device_mesh["dp"]
+    layers = model.model.layers
+    for layer in layers:
+        experts = getattr(layer.mlp, "experts", None)
+        if experts is not None and wrap != "inside":
+            fully_shard(experts, mesh=dp_mesh if wrap == "dp" else mesh.edp_mesh())
+            if wrap == "factor":
+                experts.set_gradient_divide_factor(float(mesh.degree("dp")))
+        fully_shard(layer, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
+    return model
+
+
+def fsdp_train(rank: int, world: int, path: str, data: dict[str, Any], impl: str = "grouped_mm",
+               control: str = "") -> dict[str, Any]:
+    """:func:`run` on :func:`fsdp_model`, each dp rank its rows; the experts' local chunks (FSDP2's
+    DTensors on the edp mesh). ``control="unscaled"``: hp_lazy's ``edp / dp`` scale of the expert
+    gradients taken out (FSDP2's average over edp left as it is)."""
+    from unittest import mock
+
+    import hp_lazy
+    from hp_lazy.runtime import owner
+
+    scaled = owner.rules_for
+
+    def unscaled(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        return {k: dataclasses.replace(r, scale=1.0) for k, r in scaled(*args, **kwargs).items()}
+
+    with mock.patch.object(owner, "rules_for", unscaled) if control else contextlib.nullcontext():
+        model = fsdp_model(path, impl=impl)
+        dp, gather, mean = _dp_tools()
+        per = data["input_ids"].shape[0] // dp.size
+        result = run(model, data, rows=slice(dp.rank * per, (dp.rank + 1) * per), gather=gather, mean=mean,
+                     full_grads=hp_lazy.full_grads, full_state_dict=hp_lazy.full_state_dict)
+    result["experts"] = {n: (tuple(p.to_local().shape), p.device_mesh.mesh_dim_names)
+                         for n, p in model.named_parameters() if ".experts." in n}
+    keep = ("loss", "logits", "norm", "experts")
+    return result if rank == 0 else {k: result[k] for k in keep}
+
+
+def fsdp_error(rank: int, world: int, path: str, wrap: str) -> str:
+    """A wrong FSDP2 (or DDP) layout of an expert-parallel model, then a forward: the error text."""
+    model = None
+    try:
+        if wrap == "ddp":
+            from torch.nn.parallel import DistributedDataParallel
+
+            import hp_lazy
+
+            model = DistributedDataParallel(hp_lazy.parallelize(load(path), data_parallel=False),
+                                            process_group=hp_lazy.mesh().group("dp").pg)
+        else:
+            model = fsdp_model(path, wrap)
+        model(**{k: v[rank : rank + 1] for k, v in batch(rows=world).items()})
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "ok"
+
+
 def record_across_refresh(rank: int, world: int, path: str) -> dict[str, Any]:
     """The bound model's record before and after a refresh (a module registered under it)."""
     import torch

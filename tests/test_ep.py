@@ -63,6 +63,20 @@ def test_the_record_outlives_a_refresh(ready) -> None:
         assert got["keys"] == sorted(["_hp_bound", got["owner_key"], "_hp_watch"]), got["keys"]  # one record
 
 
+def test_fsdp2_with_one_rank_per_expert_slice(ready) -> None:
+    """FSDP2 owning dp at ep = dp = 2: each expert slice is held by one rank, so its edp mesh
+    (``hp_lazy.mesh().edp_mesh()``) is that rank alone; FSDP2 leaves the slice whole and hp_lazy
+    divides its gradient by dp. One process's numbers (``tests/test_ep_fsdp.py``: two ranks per slice)."""
+    pool, root = ready
+    path, data = models.build("qwen3_moe", root), epwork.batch()
+    ref = epwork.reference(path, data)
+    results = pool.run(epwork.fsdp_train, path, data)
+    parity.compare(results[0], ref)
+    for got in results:
+        assert models.rel_err(got["norm"], ref["norm"]) <= parity.TOL
+        assert all(mesh == ("edp",) and shape[0] == 2 for shape, mesh in got["experts"].values()), got["experts"]
+
+
 @pytest.fixture(scope="module")
 def lora_ref(root: str) -> tuple[str, dict]:
     path = models.build("qwen3_moe", root)
@@ -185,16 +199,6 @@ def test_capacity_config_refused(ready) -> None:
     out = pool.run(epwork.error, models.build("qwen3_moe", root), epwork.batch(), router_capacity_factor=1.25)
     assert all("config.router_capacity_factor=1.25 drops tokens beyond an expert capacity, but the ep_dispatch "
                "region is dropless" in o for o in out), out
-
-
-def test_ep_with_ddp_owning_dp_refused() -> None:
-    from hp_lazy.errors import ShardingError
-    from hp_lazy.runtime.grads import rules_for
-    from hp_lazy.runtime.mesh import Mesh
-
-    with pytest.raises(ShardingError, match=r"expert parallel \(ep=2\) with data_parallel=False: torch DDP or FSDP2 "
-                       r"would average the expert shards over every dp rank"):
-        rules_for(__import__("torch").nn.Linear(2, 2), {}, Mesh(shape=(("dp", 2),), world=2, ep=2), data_parallel=False)
 
 
 def _renamed_forward_error(rank: int, world: int, path: str, data) -> str:

@@ -93,3 +93,17 @@ def test_lora_on_expert_parameters_under_ep_tp(ready, tmp_path) -> None:
                                    "[4, 32, 32]: hp_lazy cuts such adapters only where the experts are cut by expert"), text
         return
     epwork.check_lora(pool, path, epwork.lora_reference(path, epwork.batch()), "after", str(tmp_path / "adapter"), 2)
+
+
+def test_fsdp2_over_ep_tp(ready) -> None:
+    """FSDP2 owning dp at ep=2 x tp=2: the layers over dp on top of their tp shards, each experts
+    module over its edp mesh — on 5.25 whole on tp, each tp rank dispatching its share of the tokens
+    (hp_lazy sums the experts' gradients over tp), on 5.24 cut on tp too; hp_lazy scales FSDP2's
+    average over edp to one process's."""
+    pool, root = ready
+    path, data = models.build("qwen3_moe", root), epwork.batch()
+    ref = epwork.reference(path, data)
+    results = pool.run(epwork.fsdp_train, path, data)
+    parity.compare(results[0], ref)
+    for got in results:
+        assert models.rel_err(got["norm"], ref["norm"]) <= parity.TOL

@@ -1,0 +1,164 @@
+"""Expert parallel with FSDP2 owning dp (``data_parallel=False``), torchtitan's layout: each experts
+module sharded by FSDP2 over its expert-data-parallel ranks (``fully_shard(experts,
+mesh=hp_lazy.mesh().edp_mesh())``), each decoder layer and the root over dp. World 4, ep=2: dp=4,
+two ranks per expert slice, so FSDP2 splits each rank's two experts in two again (a quarter of the
+experts per rank). One process's loss, logits, every gradient, ``clip_grad_norm_``'s norm and 3
+SGD+wd steps; checkpoints through DCP (resumed at the same layout, under hp_lazy's own dp, in one
+plain process) and ``save_pretrained``; the wrong layouts refused by name; negative control: FSDP2's
+average over edp left unscaled."""
+
+from __future__ import annotations
+
+import ckptwork
+import epwork
+import models
+import parity
+import pytest
+import torch
+from dist import DistPool, pool_fixture
+
+pool4 = pool_fixture(4, timeout=180)
+
+SAME = 1e-6  # the same layout: the same arithmetic
+OTHER = 1e-5  # another layout: other reduction orders (fp32 round-off)
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture
+def ready(pool4: DistPool, root: str):
+    """Activated per test: a pool restarts its workers after a worker error."""
+    return parity.once(pool4, epwork.activate, ep=2), root
+
+
+@pytest.mark.parametrize(("name", "impl"), [("qwen3_moe", "grouped_mm"), ("gpt_oss", "eager")])
+def test_fsdp2_over_edp_matches_one_process(ready, name: str, impl: str) -> None:
+    pool, root = ready
+    path, data = models.build(name, root), epwork.batch(rows=4)
+    ref = epwork.reference(path, data, impl)
+    results = pool.run(epwork.fsdp_train, path, data, impl)
+    parity.compare(results[0], ref)
+    for got in results:
+        assert models.rel_err(got["loss"], ref["loss"]) <= parity.TOL
+        assert models.rel_err(got["norm"], ref["norm"]) <= parity.TOL  # clip_grad_norm_ over two meshes
+        for pname, (shape, mesh) in got["experts"].items():  # 4 experts / ep 2 / edp 2: one per rank
+            assert mesh == ("edp",) and shape[0] == 1, (pname, shape, mesh)
+
+
+def test_unscaled_edp_average_is_wrong(ready) -> None:
+    """Negative control: FSDP2 averages an expert slice over its 2 edp ranks; one process's gradient
+    is the sum over them divided by dp=4. Without hp_lazy's scale the experts' gradients are 2x."""
+    pool, root = ready
+    path, data = models.build("qwen3_moe", root), epwork.batch(rows=4)
+    ref = epwork.reference(path, data)
+    got = pool.run(epwork.fsdp_train, path, data, "grouped_mm", "unscaled")[0]
+    errors = parity.relative_errors(got, ref)
+    assert min(v for k, v in errors.items() if k.startswith("grad ") and ".experts." in k) > 0.5, errors
+    assert max(v for k, v in errors.items() if k.startswith("grad ") and ".experts." not in k) <= parity.TOL
+
+
+@pytest.mark.parametrize(("wrap", "text"), [
+    ("inside", r"ShardingError: hp_lazy: model\.layers\.1 is sharded by FSDP2 with the expert slices "
+               r"\['model\.layers\.1\.mlp\.experts\.gate_up_proj', 'model\.layers\.1\.mlp\.experts\.down_proj'\] and "
+               r"the dense parameters .* together, but the slices are held alike only by their expert-data-parallel "
+               r"ranks; call fully_shard\(<experts module>, mesh=hp_lazy\.mesh\(\)\.edp_mesh\(\)\) before "
+               r"fully_shard\(model\.layers\.1, \.\.\.\)"),
+    ("dp", r"ShardingError: hp_lazy: model\.layers\.1\.mlp\.experts holds the expert slices .* and is sharded by "
+           r"FSDP2 over ranks \[0, 1, 2, 3\], but they are held alike only by the expert-data-parallel ranks "
+           r"\[\d, \d\]; pass fully_shard\(module, mesh=hp_lazy\.mesh\(\)\.edp_mesh\(\)\)"),
+    ("factor", r"ShardingError: hp_lazy: model\.layers\.1\.mlp\.experts holds expert slices and FSDP2 divides their "
+               r"gradients by 4\.0 \(its divide factor\), but hp_lazy already scales them by edp/dp for FSDP2's "
+               r"average over the 2 edp ranks .*; leave the divide factor unset"),
+    ("ddp", r"ShardingError: hp_lazy: this model runs inside torch DistributedDataParallel, which averages every "
+            r"gradient over the dp ranks \[0, 1, 2, 3\], but under expert parallel \(ep=2\) each expert slice .* is "
+            r"held only by its expert-data-parallel ranks; drop DDP"),
+])
+def test_wrong_layouts_are_refused(ready, wrap: str, text: str) -> None:
+    import re
+
+    pool, root = ready
+    for got in pool.run(epwork.fsdp_error, models.build("qwen3_moe", root), wrap):
+        assert re.match(text, got), got
+
+
+def _train_and_save(rank: int, world: int, path: str, ckpt: str, fsdp: bool) -> dict | None:
+    import hp_lazy
+
+    model = epwork.fsdp_model(path) if fsdp else hp_lazy.parallelize(epwork.load(path))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    rows = _rows()
+    _steps(model, opt, rows)
+    ckptwork.save(model, opt, ckpt)
+    model.save_pretrained(ckpt + "_hf")  # every rank: the shards gathered one at a time, rank 0 writes
+    saved = hp_lazy.full_state_dict(model)
+    _steps(model, opt, rows)
+    full = hp_lazy.full_state_dict(model)
+    return {"full": full, "saved": saved} if rank == 0 else None
+
+
+def _resume(rank: int, world: int, path: str, ckpt: str, fsdp: bool, api: str) -> dict | None:
+    import hp_lazy
+
+    model = epwork.fsdp_model(path) if fsdp else hp_lazy.parallelize(epwork.load(path))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    ckptwork.load(model, opt, ckpt, api)
+    _steps(model, opt, _rows())
+    full = hp_lazy.full_state_dict(model)
+    return full if rank == 0 else None
+
+
+def _rows() -> dict:
+    import hp_lazy
+
+    dp = hp_lazy.mesh().group("dp")
+    return {k: v.chunk(dp.size)[dp.rank] for k, v in epwork.batch(rows=4).items()}
+
+
+def _steps(model, opt, rows: dict) -> None:
+    for _ in range(3):
+        opt.zero_grad()
+        model(**rows).loss.backward()
+        opt.step()
+
+
+def _resume_plain(path: str, ckpt: str) -> dict:
+    """One process, no hp_lazy, no process group."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import state_dict as dsd
+
+    model = epwork.load(path)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    msd, osd = dsd.get_state_dict(model, opt)
+    dcp.load({"model": msd, "optim": osd}, checkpoint_id=ckpt, no_dist=True)
+    dsd.set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+    _steps(model, opt, epwork.batch(rows=4))
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_fsdp2_over_edp_checkpoints(ready, tmp_path) -> None:
+    """AdamW, 3 steps, save (DCP with the optimizer; save_pretrained), 3 more = the uninterrupted
+    run; resumed at the same layout (torch's get/set_state_dict and the model's own state_dict()),
+    under hp_lazy's own dp average, and in one plain process; the other way, hp_lazy's own
+    checkpoint resumed under FSDP2. save_pretrained wrote what a plain process loads."""
+    pool, root = ready
+    path = models.build("qwen3_moe", root)
+    fsdp_ckpt, own_ckpt = str(tmp_path / "fsdp"), str(tmp_path / "own")
+    ref, at_save = pool.run(_train_and_save, path, fsdp_ckpt, True)[0].values()
+    own_ref = pool.run(_train_and_save, path, own_ckpt, False)[0]["full"]
+    errors = {f"fsdp -> same ({api})": ckptwork.errors(pool.run(_resume, path, fsdp_ckpt, True, api)[0], ref)
+              for api in ("dsd", "plain")}
+    errors["fsdp -> hp_lazy dp"] = ckptwork.errors(pool.run(_resume, path, fsdp_ckpt, False, "dsd")[0], ref)
+    errors["hp_lazy dp -> fsdp"] = ckptwork.errors(pool.run(_resume, path, own_ckpt, True, "dsd")[0], own_ref)
+    errors["fsdp -> one plain process"] = ckptwork.errors(_resume_plain(path, fsdp_ckpt), ref)
+    print("FSDP2 x ep resume errors:", errors)
+    assert max(v for k, v in errors.items() if "-> same" in k) <= SAME, errors
+    assert max(errors.values()) <= OTHER, errors
+    saved = epwork.load(fsdp_ckpt + "_hf").state_dict()
+    start = epwork.load(path).state_dict()
+    assert saved.keys() == at_save.keys()
+    for name, value in at_save.items():
+        assert torch.equal(saved[name], value), name
+    assert not torch.equal(start["model.layers.1.mlp.experts.down_proj"], saved["model.layers.1.mlp.experts.down_proj"])
