@@ -14,6 +14,11 @@ weights, seed 0, nothing downloaded). Fresh processes run, alternately, ``--repe
   ep x tp+sp    (W >= 4) the same with ``sequence_parallel=True``: between the boundaries each tp
                 rank holds half its group's sequence, and dispatches those rows (nothing gathered
                 over tp at the experts; the attention and MLP boundaries gather and reduce-scatter)
+  ep + FSDP2     ``hp_lazy.activate("auto", ep=E, data_parallel=False)`` (E = W/2 at W >= 4, else W)
+                with FSDP2 owning dp, torchtitan's layout: each experts module ``fully_shard``-ed over
+                its expert-data-parallel ranks (``hp_lazy.mesh().edp_mesh()``, W/E of them), each
+                layer and the root over dp; every rank its ``batch / W`` rows, ``1 / W`` of the
+                experts and of the dense weights
   experts-TP    ``hp_lazy.activate("auto", tp=W)``: every rank runs the whole batch through its
                 ``1 / W`` of the experts, whole (region ``tp_experts``; the exit all-reduce sums the
                 ranks' parts; the same bytes as cutting every expert's width)
@@ -40,8 +45,9 @@ relative error of the step's loss against one process's (the mean of the ranks' 
 rows hold the same number of tokens), the collectives of one step (``hp_lazy.collective_counter``;
 transformers' DTensor/FSDP2 collectives are not counted: "-"), their payload per rank (the bytes a
 rank hands to the all-to-alls, all-reduces and all-gathers of one step: for an all-to-all, the rows
-it sends to other ranks; ``CollectiveCounter.payload``) and the expert parameters held per rank
-(local shards; the optimizer's state of them scales the same).
+it sends to other ranks; ``CollectiveCounter.payload``; FSDP2's own all-gathers and
+reduce-scatters are not counted), the expert parameters held per rank and all parameters held per
+rank (local shards and FSDP2 chunks; the optimizer's state of them scales the same).
 
     python benchmarks/ep_step.py                       # a few minutes on 2 cores
     python benchmarks/ep_step.py --repeats 1 --steps 2
@@ -62,10 +68,10 @@ from typing import Any
 import _spawn
 from _spawn import collect
 
-VARIANTS = ("one process", "ep", "ep x tp", "ep x tp+sp", "experts-TP", "transformers ep_plan")
+VARIANTS = ("one process", "ep", "ep x tp", "ep x tp+sp", "ep + FSDP2", "experts-TP", "transformers ep_plan")
 TP_GROUPS = ("ep x tp", "ep x tp+sp")  # W/2 data-parallel groups of 2 tp ranks
 PAYLOAD = ("all_to_all", "all_reduce", "all_gather", "reduce_scatter")  # the payload column's ops, in order
-SPLIT = ("ep", "transformers ep_plan")  # variants where every rank feeds its batch / W rows
+SPLIT = ("ep", "ep + FSDP2", "transformers ep_plan")  # variants where every rank feeds its batch / W rows
 
 
 def variants(world: int, chosen: str = "") -> tuple[str, ...]:
@@ -95,7 +101,7 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.smoke:
         args.hidden, args.experts, args.expert_size, args.layers = 32, 4, 32, 1
-        args.batch, args.seq, args.steps, args.repeats = 2, 16, 1, 1
+        args.batch, args.seq, args.steps, args.repeats = max(2, args.world), 16, 1, 1  # a row per rank at least
     return args
 
 
@@ -130,9 +136,25 @@ def _run(model, ids, steps: int, barrier) -> tuple[float, float]:
     return statistics.median(times[1:]), losses[0]
 
 
-def _expert_bytes(model) -> int:
-    local = [getattr(p, "to_local", lambda p=p: p)() for n, p in model.named_parameters() if ".experts." in n]
-    return sum(t.numel() * t.element_size() for t in local)
+def _held_bytes(model) -> tuple[int, int]:
+    """(expert, all) parameter bytes this rank holds: local shards, FSDP2's chunks."""
+    local = {n: getattr(p, "to_local", lambda p=p: p)() for n, p in model.named_parameters()}
+    size = {n: t.numel() * t.element_size() for n, t in local.items()}
+    return sum(v for n, v in size.items() if ".experts." in n), sum(size.values())
+
+
+def _fsdp_over_ep(model):
+    """FSDP2 owning dp under ep: the experts over their edp ranks, the layers and the root over dp."""
+    from torch.distributed.fsdp import fully_shard
+
+    import hp_lazy
+
+    mesh = hp_lazy.mesh()
+    for layer in model.model.layers:
+        fully_shard(layer.mlp.experts, mesh=mesh.edp_mesh())
+        fully_shard(layer, mesh=mesh.device_mesh["dp"])
+    fully_shard(model, mesh=mesh.device_mesh["dp"])
+    return model
 
 
 def _load_transformers_ep(path: str, world: int):
@@ -156,7 +178,7 @@ def _worker(rank: int, world: int, variant: str, path: str, args: argparse.Names
 
         model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         step, loss = _run(model, ids, args.steps, lambda: None)
-        queue.put((rank, (step, {}, _expert_bytes(model), loss)))
+        queue.put((rank, (step, {}, _held_bytes(model), loss)))
         return
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       LOCAL_RANK=str(rank), GLOO_SOCKET_IFNAME="lo")
@@ -172,25 +194,28 @@ def _worker(rank: int, world: int, variant: str, path: str, args: argparse.Names
 
         dist.init_process_group("gloo")
         model = _load_transformers_ep(path, world)
-        _report(queue, rank, world, _run(model, ids, args.steps, dist.barrier), {}, _expert_bytes(model))
+        _report(queue, rank, world, _run(model, ids, args.steps, dist.barrier), {}, _held_bytes(model))
         return
     import hp_lazy
 
     axes = {"ep": {"ep": world}, "ep x tp": {"ep": world // 2, "tp": 2},
-            "ep x tp+sp": {"ep": world // 2, "tp": 2, "sequence_parallel": True}}.get(variant, {"tp": world})
+            "ep x tp+sp": {"ep": world // 2, "tp": 2, "sequence_parallel": True},
+            "ep + FSDP2": {"ep": world // 2 if world >= 4 else world, "data_parallel": False}}.get(variant, {"tp": world})
     hp_lazy.activate("auto", **axes)
     import torch.distributed as dist
     import transformers
 
     model = hp_lazy.parallelize(transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
+    if variant == "ep + FSDP2":
+        model = _fsdp_over_ep(model)
     with hp_lazy.collective_counter() as counter:
         model(input_ids=ids, labels=ids).loss.backward()
     counts = {phase: counter.by_phase(phase) for phase in ("forward", "backward")}
     counts["MiB"] = {op: counter.bytes_of(op) / 2**20 for op in PAYLOAD}
-    _report(queue, rank, world, _run(model, ids, args.steps, dist.barrier), counts, _expert_bytes(model))
+    _report(queue, rank, world, _run(model, ids, args.steps, dist.barrier), counts, _held_bytes(model))
 
 
-def _report(queue: Any, rank: int, world: int, run: tuple[float, float], counts: dict, experts: int) -> None:
+def _report(queue: Any, rank: int, world: int, run: tuple[float, float], counts: dict, held: tuple[int, int]) -> None:
     """Send (the slowest rank's step, counts, expert bytes, the mean of the ranks' losses)."""
     import torch
     import torch.distributed as dist
@@ -198,11 +223,11 @@ def _report(queue: Any, rank: int, world: int, run: tuple[float, float], counts:
     slowest, loss = torch.tensor([run[0]]), torch.tensor([run[1]], dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     dist.all_reduce(loss)
-    queue.put((rank, (float(slowest), counts, experts, float(loss) / world)))
+    queue.put((rank, (float(slowest), counts, held, float(loss) / world)))
     dist.destroy_process_group()
 
 
-def _launch(args: argparse.Namespace, variant: str, path: str) -> tuple[float, dict, int, float]:
+def _launch(args: argparse.Namespace, variant: str, path: str) -> tuple[float, dict, tuple[int, int], float]:
 
     ctx = _spawn.context()
     queue = ctx.Queue()
@@ -227,11 +252,12 @@ def main(argv: list[str] | None = None) -> int:
           f"(size {args.expert_size}), batch {args.batch} x {args.seq}, fp32, {args.steps} steps x {args.repeats} "
           "repeats (medians)\n")
     print("| variant | step s | step / one process | loss rel err vs one process | collectives per step (fwd; bwd) "
-          "| payload MiB per rank per step (a2a / ar / ag / rs) | expert MiB per rank |")
-    print("|---|---|---|---|---|---|---|")
+          "| payload MiB per rank per step (a2a / ar / ag / rs) | expert MiB per rank | all params MiB per rank |")
+    print("|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as root:
         path = _build(args, root)
-        runs: dict[str, list[tuple[float, dict, int, float]]] = {v: [] for v in variants(args.world, args.variants)}
+        runs: dict[str, list[tuple[float, dict, tuple[int, int], float]]] = {
+            v: [] for v in variants(args.world, args.variants)}
         for _ in range(args.repeats):
             for variant in runs:
                 runs[variant].append(_launch(args, variant, path))
@@ -239,14 +265,14 @@ def main(argv: list[str] | None = None) -> int:
         ref_loss = runs["one process"][0][3]
         for variant in runs:
             step = statistics.median(r[0] for r in runs[variant])
-            counts, experts = runs[variant][0][1], runs[variant][0][2]
+            counts, (experts, held) = runs[variant][0][1], runs[variant][0][2]
             loss_err = max(abs(r[3] - ref_loss) for r in runs[variant]) / abs(ref_loss)
             shown = "; ".join(", ".join(f"{k} {v}" for k, v in sorted(counts.get(ph, {}).items())) or "-"
                               for ph in ("forward", "backward"))
             mib = counts.get("MiB", {})
             volume = " / ".join(f"{mib[op]:.2f}" for op in PAYLOAD) if mib else "-"
             print(f"| {variant} | {step:.3f} | {step / base:.2f} | {loss_err:.1e} | {shown} | {volume} "
-                  f"| {experts / 2**20:.2f} |", flush=True)
+                  f"| {experts / 2**20:.2f} | {held / 2**20:.2f} |", flush=True)
     return 0
 
 

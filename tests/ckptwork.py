@@ -35,6 +35,21 @@ def load(model, opt, ckpt: str, api: str) -> None:
     dsd.set_optimizer_state_dict(model, opt, osd)
 
 
+def resume_plain(model, ckpt: str, steps) -> dict:
+    """One process, no hp_lazy, no process group: ``model`` and a fresh AdamW resumed from ``ckpt``
+    through torch's helpers, then ``steps(model, opt)``; the model's state after them."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import state_dict as dsd
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    msd, osd = dsd.get_state_dict(model, opt)
+    dcp.load({"model": msd, "optim": osd}, checkpoint_id=ckpt, no_dist=True)
+    dsd.set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+    steps(model, opt)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
 def errors(got: dict, ref: dict) -> float:
     assert got.keys() == ref.keys(), got.keys() ^ ref.keys()
     return max(models.rel_err(got[k], v) for k, v in ref.items())

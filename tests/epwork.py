@@ -562,6 +562,18 @@ def fsdp_train(rank: int, world: int, path: str, data: dict[str, Any], impl: str
     return result if rank == 0 else {k: result[k] for k in keep}
 
 
+def check_fsdp(pool, path: str, data: dict[str, Any], impl: str = "grouped_mm") -> list[dict[str, Any]]:
+    """:func:`fsdp_train` on ``pool`` against one process: loss, logits, every gradient, 3 SGD steps
+    and, on every rank, the loss and ``clip_grad_norm_``'s norm (FSDP2's chunks on two meshes)."""
+    ref = reference(path, data, impl)
+    results = pool.run(fsdp_train, path, data, impl)
+    parity.compare(results[0], ref)
+    for got in results:
+        assert models.rel_err(got["loss"], ref["loss"]) <= parity.TOL
+        assert models.rel_err(got["norm"], ref["norm"]) <= parity.TOL
+    return results
+
+
 def fsdp_error(rank: int, world: int, path: str, wrap: str) -> str:
     """A wrong FSDP2 (or DDP) layout of an expert-parallel model, then a forward: the error text."""
     model = None

@@ -59,7 +59,7 @@ def test_device_check_smoke(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("script, variants", [
     ("cp_step.py", ("one process", "cp", "cp ulysses", "cp, K/V saved")),
-    ("ep_step.py", ("one process", "ep", "experts-TP", "transformers ep_plan")),
+    ("ep_step.py", ("one process", "ep", "ep + FSDP2", "experts-TP", "transformers ep_plan")),
     ("step_time.py", ("ref_solo", "ref_both", "hp_lazy", "hp_lazy_digest", "hf_tp", "dtensor_tp", "bare_tp")),
     ("dp_step.py", ("hp_lazy", "ddp", "local")),
     ("coverage.py", ("llama",)),
@@ -92,13 +92,15 @@ def test_release_check_smoke(tmp_path: Path) -> None:
 
 
 def test_ep_step_ep_x_tp_smoke(tmp_path: Path) -> None:
-    """ep=2 x tp=2 on 4 ranks, with and without sequence parallel: its loss is one process's and it
-    moves all-to-all rows."""
+    """ep=2 x tp=2 on 4 ranks, with and without sequence parallel, and ep=2 with FSDP2 owning dp
+    (the experts over two edp ranks): its loss is one process's and it moves all-to-all rows; FSDP2
+    holds fewer experts per rank than ep x tp (a quarter of them against a half)."""
     rows = {r[0]: r for r in _rows(_run("ep_step.py", tmp_path, "--world", "4", "--variants",
-                                                   "ep x tp,ep x tp+sp"))}
-    assert set(rows) == {"one process", "ep x tp", "ep x tp+sp"}, rows
-    for variant in ("ep x tp", "ep x tp+sp"):
+                                                   "ep x tp,ep x tp+sp,ep + FSDP2"))}
+    assert set(rows) == {"one process", "ep x tp", "ep x tp+sp", "ep + FSDP2"}, rows
+    for variant in ("ep x tp", "ep x tp+sp", "ep + FSDP2"):
         assert float(rows[variant][3]) <= 1e-4 and "all_to_all" in rows[variant][4], rows
+    assert float(rows["ep + FSDP2"][6]) < float(rows["ep x tp"][6]) < float(rows["one process"][6]), rows
 
 
 def test_coverage_every_axis_smoke(tmp_path: Path) -> None:

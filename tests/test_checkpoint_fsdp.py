@@ -60,10 +60,6 @@ def _steps(model, opt, ids) -> None:
         opt.step()
 
 
-
-
-
-
 def _full(rank: int, model) -> dict | None:
     import hp_lazy
 
@@ -104,24 +100,6 @@ def _resume(rank: int, world: int, path: str, ckpt: str, fsdp: bool, api: str, o
     return _full(rank, model)
 
 
-def _resume_plain(path: str, ckpt: str) -> dict:
-    """One process, no hp_lazy, no process group."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import state_dict as dsd
-
-    model = parity._load(path)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
-    msd, osd = dsd.get_state_dict(model, opt)
-    dcp.load({"model": msd, "optim": osd}, checkpoint_id=ckpt, no_dist=True)
-    dsd.set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
-    _steps(model, opt, models.batch(seed=3, batch_size=4))
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-
-
-
-
 def test_fsdp_over_tp_resumes_at_every_layout(pool4: DistPool, refs, tmp_path) -> None:
     path, _ = refs("llama_gqa")
     fsdp_ckpt, own_ckpt = str(tmp_path / "fsdp"), str(tmp_path / "own")
@@ -133,7 +111,8 @@ def test_fsdp_over_tp_resumes_at_every_layout(pool4: DistPool, refs, tmp_path) -
         pool4.run(_resume, path, own_ckpt, True, "dsd")[0], own_ref)
     errors["fsdp dp2xtp2 -> tp4 (K/V kept on 2 ranks)"] = ckptwork.errors(
         ckptwork.at(pool4, 4).run(_resume, path, fsdp_ckpt, False, "dsd")[0], ref)
-    errors["fsdp dp2xtp2 -> one plain process"] = ckptwork.errors(_resume_plain(path, fsdp_ckpt), ref)
+    errors["fsdp dp2xtp2 -> one plain process"] = ckptwork.errors(
+        ckptwork.resume_plain(parity._load(path), fsdp_ckpt, lambda m, o: _steps(m, o, models.batch(seed=3, batch_size=4))), ref)
     print("FSDP2 x tp resume errors:", errors)
     assert max(v for k, v in errors.items() if "-> same" in k) <= SAME, errors
     assert max(errors.values()) <= OTHER, errors

@@ -37,15 +37,9 @@ def ready(pool4: DistPool, root: str):
 @pytest.mark.parametrize(("name", "impl"), [("qwen3_moe", "grouped_mm"), ("gpt_oss", "eager")])
 def test_fsdp2_over_edp_matches_one_process(ready, name: str, impl: str) -> None:
     pool, root = ready
-    path, data = models.build(name, root), epwork.batch(rows=4)
-    ref = epwork.reference(path, data, impl)
-    results = pool.run(epwork.fsdp_train, path, data, impl)
-    parity.compare(results[0], ref)
-    for got in results:
-        assert models.rel_err(got["loss"], ref["loss"]) <= parity.TOL
-        assert models.rel_err(got["norm"], ref["norm"]) <= parity.TOL  # clip_grad_norm_ over two meshes
-        for pname, (shape, mesh) in got["experts"].items():  # 4 experts / ep 2 / edp 2: one per rank
-            assert mesh == ("edp",) and shape[0] == 1, (pname, shape, mesh)
+    results = epwork.check_fsdp(pool, models.build(name, root), epwork.batch(rows=4), impl)
+    for got in results:  # 4 experts / ep 2 / edp 2: one per rank
+        assert all(mesh == ("edp",) and shape[0] == 1 for shape, mesh in got["experts"].values()), got["experts"]
 
 
 def test_unscaled_edp_average_is_wrong(ready) -> None:
@@ -124,20 +118,6 @@ def _steps(model, opt, rows: dict) -> None:
         opt.step()
 
 
-def _resume_plain(path: str, ckpt: str) -> dict:
-    """One process, no hp_lazy, no process group."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import state_dict as dsd
-
-    model = epwork.load(path)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
-    msd, osd = dsd.get_state_dict(model, opt)
-    dcp.load({"model": msd, "optim": osd}, checkpoint_id=ckpt, no_dist=True)
-    dsd.set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
-    _steps(model, opt, epwork.batch(rows=4))
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
 def test_fsdp2_over_edp_checkpoints(ready, tmp_path) -> None:
     """AdamW, 3 steps, save (DCP with the optimizer; save_pretrained), 3 more = the uninterrupted
     run; resumed at the same layout (torch's get/set_state_dict and the model's own state_dict()),
@@ -152,7 +132,8 @@ def test_fsdp2_over_edp_checkpoints(ready, tmp_path) -> None:
               for api in ("dsd", "plain")}
     errors["fsdp -> hp_lazy dp"] = ckptwork.errors(pool.run(_resume, path, fsdp_ckpt, False, "dsd")[0], ref)
     errors["hp_lazy dp -> fsdp"] = ckptwork.errors(pool.run(_resume, path, own_ckpt, True, "dsd")[0], own_ref)
-    errors["fsdp -> one plain process"] = ckptwork.errors(_resume_plain(path, fsdp_ckpt), ref)
+    errors["fsdp -> one plain process"] = ckptwork.errors(
+        ckptwork.resume_plain(epwork.load(path), fsdp_ckpt, lambda m, o: _steps(m, o, epwork.batch(rows=4))), ref)
     print("FSDP2 x ep resume errors:", errors)
     assert max(v for k, v in errors.items() if "-> same" in k) <= SAME, errors
     assert max(errors.values()) <= OTHER, errors

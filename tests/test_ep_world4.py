@@ -101,9 +101,4 @@ def test_fsdp2_over_ep_tp(ready) -> None:
     (hp_lazy sums the experts' gradients over tp), on 5.24 cut on tp too; hp_lazy scales FSDP2's
     average over edp to one process's."""
     pool, root = ready
-    path, data = models.build("qwen3_moe", root), epwork.batch()
-    ref = epwork.reference(path, data)
-    results = pool.run(epwork.fsdp_train, path, data)
-    parity.compare(results[0], ref)
-    for got in results:
-        assert models.rel_err(got["norm"], ref["norm"]) <= parity.TOL
+    epwork.check_fsdp(pool, models.build("qwen3_moe", root), epwork.batch())

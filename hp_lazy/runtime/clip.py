@@ -10,10 +10,12 @@ parameter on every axis, K/V heads kept on ``replicas`` ranks) and the mesh:
   owner's reduction its gradient is identical on every tp rank;
 - over ``dp`` (and ``cp``) every rank holds the same averaged gradient (hp_lazy's own dp average
   or DDP's): counted on dp rank 0; an FSDP2 gradient (a DTensor sharded over the dp sub-mesh) is a
-  distinct piece on every dp rank and counted on each; a piece cut on ``ep`` on the first ep run.
+  distinct piece on every dp rank and counted on each; a piece cut on ``ep`` on the first ep run,
+  or, FSDP2's chunk of it over the slice's edp mesh, on every token rank.
 
 Clipping then scales every local gradient by the same coefficient (torch's
-``clip_grads_with_norm_``), which is exactly one process's clipping.
+``clip_grads_with_norm_``, run once per DTensor mesh where FSDP2 holds gradients on two), which is
+exactly one process's clipping.
 
 Why this mechanism, and not DTensor gradients that torch's function would get right by itself:
 hp_lazy's parameters are plain local tensors by design (no DTensor dispatch in the step), and a

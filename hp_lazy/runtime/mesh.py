@@ -278,9 +278,9 @@ class Mesh:
     def edp_mesh(self) -> DeviceMesh:
         """This rank's expert-data-parallel ranks (those holding its expert slice) as a 1-D torch
         ``DeviceMesh`` named ``edp`` — one rank where ``ep = dp * cp``: the mesh FSDP2 shards the
-        experts over under expert parallel (``fully_shard(experts, mesh=hp_lazy.mesh().edp_mesh())``,
-        and ``set_gradient_divide_factor(dp)``: see :mod:`hp_lazy.runtime.grads`). Built once (a
-        collective the first time: every rank calls it)."""
+        experts over under expert parallel (``fully_shard(experts, mesh=hp_lazy.mesh().edp_mesh())``
+        with FSDP2's divide factor left unset: hp_lazy scales its average, :mod:`hp_lazy.runtime.grads`).
+        Built once (a collective the first time: every rank calls it)."""
         if self._edp:
             return self._edp[0]
         from torch.distributed.device_mesh import DeviceMesh
