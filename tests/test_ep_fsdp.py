@@ -5,7 +5,7 @@ two ranks per expert slice, so FSDP2 splits each rank's two experts in two again
 experts per rank). One process's loss, logits, every gradient, ``clip_grad_norm_``'s norm and 3
 SGD+wd steps; checkpoints through DCP (resumed at the same layout, under hp_lazy's own dp, in one
 plain process) and ``save_pretrained``; the wrong layouts refused by name; negative control: FSDP2's
-average over edp left unscaled."""
+average over edp left unscaled. Then ep=2 x cp=2 (the edp ranks spanning dp and cp)."""
 
 from __future__ import annotations
 
@@ -28,10 +28,20 @@ def root(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("models"))
 
 
+def _at(pool: DistPool, **degrees: int) -> DistPool:
+    """``pool`` activated with ``degrees``: new worker processes when it ran another plan (a lowered
+    module keeps the plan it was lowered for); once per set of workers."""
+    if getattr(pool, "_ep_fsdp", degrees) != degrees:
+        pool.close()
+    parity.once(pool, epwork.activate, **degrees)
+    pool._ep_fsdp = degrees  # type: ignore[attr-defined]
+    return pool
+
+
 @pytest.fixture
 def ready(pool4: DistPool, root: str):
     """Activated per test: a pool restarts its workers after a worker error."""
-    return parity.once(pool4, epwork.activate, ep=2), root
+    return _at(pool4, ep=2), root
 
 
 @pytest.mark.parametrize(("name", "impl"), [("qwen3_moe", "grouped_mm"), ("gpt_oss", "eager")])
@@ -143,3 +153,12 @@ def test_fsdp2_over_edp_checkpoints(ready, tmp_path) -> None:
     for name, value in at_save.items():
         assert torch.equal(saved[name], value), name
     assert not torch.equal(start["model.layers.1.mlp.experts.down_proj"], saved["model.layers.1.mlp.experts.down_proj"])
+
+
+def test_fsdp2_over_edp_with_context_parallel(pool4: DistPool, root: str) -> None:
+    """ep=2 x cp=2 (dp=2): the edp mesh of a slice spans the dp and cp ranks holding it, FSDP2's
+    average over it is already the sum over cp divided by dp; the dense layers' FSDP2 over dp with
+    hp_lazy's sum over cp in the hook. One process's numbers."""
+    pool = _at(pool4, ep=2, cp=2)
+    for got in epwork.check_fsdp(pool, models.build("qwen3_moe", root), epwork.batch(rows=2)):
+        assert all(mesh == ("edp",) and shape[0] == 1 for shape, mesh in got["experts"].values()), got["experts"]
