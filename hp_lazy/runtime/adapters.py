@@ -159,21 +159,23 @@ def lay_out_parameter_adapters(
     root: nn.Module, table: LayoutTable, by_param: dict[int, ParamLayout], groups: Mapping[str, Group]
 ) -> None:
     """PEFT's LoRA on a parameter hp_lazy cuts (``target_parameters``: an experts module's 3-D
-    ``[E, out, in]`` tensor, one adapter of rank ``r`` per expert), cut by expert like the parameter.
+    ``[E, out, in]`` tensor, one adapter of rank ``r`` per expert), cut like the parameter.
 
     PEFT reads a cut parameter's full shape from ``ds_shape`` (:func:`.layout.mark_full_shape`), so
     it makes one process's adapters (``num_experts = E``, one process's random init, broadcast from
-    rank 0 as above); hp_lazy then keeps this rank's experts' rows of each::
+    rank 0 as above); hp_lazy then keeps this rank's part of each (:func:`_factor_cuts`)::
 
-        lora_A  [r·E, in]   rows e·r + k      S(0): this rank's experts, the parameter's cut
-        lora_B  [out, r·E]  columns k·E + e   SS(1, r): this rank's experts within each of r blocks
+        lora_A  [r·E, in]   rows e·r + k      by expert: S(0), the parameter's cut
+        lora_B  [out, r·E]  columns k·E + e   by expert: SS(1, r), its experts in each of r blocks
+        within each expert (tp): the output dim's cut on B's rows, the input dim's on A's columns
 
     and sets the wrapper's ``num_experts`` to the local count, so PEFT's own forward (the delta
-    folded into the parametrized weight) and ``merge`` run on this rank's experts. The wrapper is
-    the bound experts region now, so its adapters take the experts' gradient rule (summed over edp
-    under ep; complete on each rank when tp splits the experts by expert); their ``state_dict`` is
-    full, as for the Linear adapters. Refused by name: a cut that is not by expert (5.24's
-    experts-TP, Llama 4), and an adapter PEFT sized from this rank's shard."""
+    folded into the parametrized weight) and ``merge`` run on this rank's block. The wrapper is
+    the bound experts region now, so its adapters take the region's gradient rules (by expert:
+    summed over edp under ep, complete on each rank under tp's by-expert split; within each expert:
+    the whole factor's gradient summed over tp); their ``state_dict`` is full, as for the Linear
+    adapters. Refused by name: both cuts at once (5.24's experts-TP under ep), and an adapter PEFT
+    sized from this rank's shard."""
     for name, module in root.named_modules():
         wanted = getattr(module, "parameter_name", None)
         if not is_tuner(module) or not isinstance(wanted, str):
@@ -184,35 +186,62 @@ def lay_out_parameter_adapters(
             continue
         made: dict[str, ParamLayout] = {}
         for adapter, lora_a in module.lora_A.items():
-            a, b = lora_a.weight, module.lora_B[adapter].weight
-            if id(a) in by_param:  # laid out at an earlier bind; a refresh sees it again
-                made[f"lora_A.{adapter}.weight"], made[f"lora_B.{adapter}.weight"] = by_param[id(a)], by_param[id(b)]
+            factors = {f"lora_A.{adapter}.weight": lora_a.weight,
+                       f"lora_B.{adapter}.weight": module.lora_B[adapter].weight}
+            if any(id(w) in by_param for w in factors.values()):  # laid out at an earlier bind (a refresh)
+                made.update({n: by_param[id(w)] for n, w in factors.items() if id(w) in by_param})
                 continue
             rank = module.r[adapter]
+            a, b = factors.values()
             _refuse_parameter_adapter(name, wanted, layout, param, tuple(a.shape), rank)
-            for pname, weight, shards in (
-                (f"lora_A.{adapter}.weight", a, layout.shards),  # by expert: dim 0, one block (checked)
-                (f"lora_B.{adapter}.weight", b, tuple(replace(c, dim=1, blocks=rank) for c in layout.shards)),
-            ):
+            cuts = _factor_cuts(layout, rank, transposed=not module._did_swap_in_out_features)
+            for (pname, weight), shards in zip(factors.items(), cuts, strict=True):
                 fresh = _broadcast(weight)
+                if not shards:  # the factor left whole (a cut within each expert): replicated, as broadcast
+                    continue
                 full = ParamLayout(fqn=f"{name}.{pname}", full_shape=tuple(fresh.shape), shards=shards)
                 shard_in_place(weight, full)
                 table.add(full)
                 by_param[id(weight)] = made[pname] = full
-        module.num_experts = layout.local_shape[0]
+        module.num_experts = layout.local_shape[0]  # within each expert: all of them, as before
         _hook_state_dict(module, made, groups)
+
+
+def _factor_cuts(
+    layout: ParamLayout, rank: int, *, transposed: bool
+) -> tuple[tuple[AxisShard, ...], tuple[AxisShard, ...]]:
+    """The cuts of ``lora_A [r·E, in]`` and ``lora_B [out, r·E]`` that give this rank the delta of
+    its block of the ``[E, out, in]`` parameter (``[E, in, out]`` when ``transposed``): by expert,
+    A's rows and B's columns within each of the r blocks; a cut of the output dim, B's rows (its
+    packed blocks too); of the input dim, A's columns. The factor left whole holds a partial
+    gradient, summed over the axis by the boundary's rule like any whole parameter inside it."""
+    out_dim, in_dim = (2, 1) if transposed else (1, 2)
+    a_cuts: list[AxisShard] = []
+    b_cuts: list[AxisShard] = []
+    for cut in layout.shards:
+        if cut.dim == 0:
+            a_cuts.append(cut)
+            b_cuts.append(replace(cut, dim=1, blocks=rank))
+        elif cut.dim == out_dim:
+            b_cuts.append(replace(cut, dim=0))
+        elif cut.dim == in_dim:
+            a_cuts.append(replace(cut, dim=1))
+    return tuple(a_cuts), tuple(b_cuts)
 
 
 def _refuse_parameter_adapter(
     where: str, wanted: str, layout: ParamLayout, param: nn.Parameter, a_shape: tuple[int, ...], rank: int
 ) -> None:
     experts = layout.full_shape[0]
-    if len(layout.full_shape) != 3 or any(c.dim != 0 or c.blocks != 1 for c in layout.shards):
+    by_expert = [c for c in layout.shards if c.dim == 0]
+    within = [c for c in layout.shards if c.dim != 0]
+    if len(layout.full_shape) != 3 or any(c.blocks != 1 for c in by_expert) or (by_expert and within):
         raise ShardingError(
             f"{where}: PEFT LoRA on the parameter {wanted!r} (target_parameters), which hp_lazy cuts "
-            f"{layout.describe()} of {list(layout.full_shape)}: hp_lazy cuts such adapters only where the experts are "
-            "cut by expert (dim 0 of the 3-D tensor: ep, or Plan.auto's by-expert split over tp); target the "
-            "attention and dense MLP modules (target_modules) instead, or split these experts by expert"
+            f"{layout.describe()} of {list(layout.full_shape)}: hp_lazy cuts such adapters where the experts are "
+            "cut by expert (ep, or Plan.auto's by-expert split over tp) or within each expert on tp alone, not "
+            "both at once (5.24's experts-TP under ep); target the attention and dense MLP modules "
+            "(target_modules) instead, or use transformers 5.25, whose plans split these experts by expert"
         )
     if a_shape[0] != rank * experts:
         raise ShardingError(
