@@ -415,11 +415,13 @@ def _check_rowwise_biases(fqn: str, module: nn.Module, contract: Contract) -> No
 
 def _alias_tied(ctx: BindContext) -> None:
     """Every name of a sharded parameter (tied weights have several) is in the table."""
-    for name, param in ctx.root.named_parameters(remove_duplicate=False):
+    live = dict(ctx.root.named_parameters(remove_duplicate=False))
+    for name, param in live.items():
         layout = ctx.by_param.get(id(param))
         if layout is not None:
             ctx.table.alias(name, layout)
-            ctx.table.alias(adapters.plain(name), layout)  # its name once PEFT's merge_and_unload unwraps it
+            if adapters.plain(name) not in live:  # nested wrappers: that name is another live parameter's
+                ctx.table.alias(adapters.plain(name), layout)  # its name once PEFT's merge_and_unload unwraps it
 
 
 def _check_shards_covered(ctx: BindContext) -> None:

@@ -143,8 +143,11 @@ def refresh(model: nn.Module) -> None:
     table = bound.table
     leaves.move_leaves(model)
     by_param: dict[int, ParamLayout] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        layout = table.get(name) or table.get(adapters.plain(name))
+    live = dict(model.named_parameters(remove_duplicate=False))
+    for name, param in live.items():
+        layout = table.get(name)
+        if layout is None and adapters.plain(name) not in live:  # PEFT wrapped it: the name it had before
+            layout = table.get(adapters.plain(name))  # (a name a live parameter has is that one's: nested wrappers)
         if layout is not None:
             table.alias(name, layout)
             by_param[id(param)] = layout
