@@ -80,12 +80,18 @@ def hole(path: str) -> str:
 
 
 def _routing(model) -> tuple[list, list]:
-    """Forward hooks recording every router's top-k expert indices."""
+    """Forward hooks recording every router's top-k expert indices (routers that return them third;
+    Llama 4's returns scores and logits only, and is not recorded)."""
     seen: list = []
     handles = []
+
+    def record(module, args, out) -> None:
+        if isinstance(out, tuple) and len(out) > 2:
+            seen.append(out[2].detach().clone())
+
     for name, module in model.named_modules():
         if name.endswith(("mlp.gate", "mlp.router", "feed_forward.router")) and "shared" not in name:  # GPT-OSS, Jamba
-            handles.append(module.register_forward_hook(lambda m, a, out: seen.append(out[2].detach().clone())))
+            handles.append(module.register_forward_hook(record))
     return seen, handles
 
 
@@ -403,10 +409,17 @@ def lora(model, targets=("q_proj", "v_proj"), tensors=tuple(EXPERT_TENSORS)):
     return peft_model
 
 
-def lora_reference(path: str, data: dict[str, Any], impl: str = "grouped_mm") -> dict[str, Any]:
+def _loaded(path: str, impl: str | None):
+    """:func:`load` with the experts implementation ``impl``; ``None``: a model without one to choose
+    (Llama 4), loaded as the parity tests load it."""
+    return load(path, impl) if impl else parity._load(path)
+
+
+def lora_reference(path: str, data: dict[str, Any], impl: str | None = "grouped_mm",
+                   tensors: tuple[str, ...] = tuple(EXPERT_TENSORS)) -> dict[str, Any]:
     """One process: :func:`lora` trained by :func:`run`; the adapters after the steps and the
     merged weights."""
-    model = lora(load(path, impl))
+    model = lora(_loaded(path, impl), tensors=tensors)
     result = run(model, data)
     result["adapter"] = {k: v for k, v in result["state"].items() if "lora_" in k}
     result["merged"] = {k: v.detach().clone() for k, v in model.merge_and_unload().state_dict().items()}
@@ -414,7 +427,8 @@ def lora_reference(path: str, data: dict[str, Any], impl: str = "grouped_mm") ->
 
 
 def lora_train(rank: int, world: int, path: str, data: dict[str, Any], when: str = "before", save_dir: str = "",
-               impl: str = "grouped_mm", control: str = "") -> dict[str, Any]:
+               impl: str | None = "grouped_mm", control: str = "",
+               tensors: tuple[str, ...] = tuple(EXPERT_TENSORS)) -> dict[str, Any]:
     """:func:`lora` on the parallel model, added ``before`` the first forward or ``after``
     ``hp_lazy.parallelize``; trained as :func:`train`; PEFT's ``save_pretrained`` on every rank, then
     ``merge_and_unload``. Negative controls (``control``): ``"unsummed"``, the experts' adapters left
@@ -438,16 +452,17 @@ def lora_train(rank: int, world: int, path: str, data: dict[str, Any], when: str
                "contiguous": mock.patch.object(adapters, "replace",
                                                lambda cut, **kw: dataclasses.replace(cut, **{**kw, "blocks": 1}))}
     with patches[control] if control else contextlib.nullcontext():
-        return _lora_train(rank, path, data, when, save_dir, impl)
+        return _lora_train(rank, path, data, when, save_dir, impl, tensors)
 
 
-def _lora_train(rank: int, path: str, data: dict[str, Any], when: str, save_dir: str, impl: str) -> dict[str, Any]:
+def _lora_train(rank: int, path: str, data: dict[str, Any], when: str, save_dir: str, impl: str | None,
+                tensors: tuple[str, ...]) -> dict[str, Any]:
     import hp_lazy
 
-    model = load(path, impl)
+    model = _loaded(path, impl)
     if when == "after":
         hp_lazy.parallelize(model)
-    peft_model = lora(model)
+    peft_model = lora(model, tensors=tensors)
     dp, gather, mean = _dp_tools()
     per = data["input_ids"].shape[0] // dp.size
     result = run(peft_model, data, rows=slice(dp.rank * per, (dp.rank + 1) * per), gather=gather, mean=mean,
@@ -459,28 +474,35 @@ def _lora_train(rank: int, path: str, data: dict[str, Any], when: str, save_dir:
     return result if rank == 0 else {k: result[k] for k in ("loss", "logits", "local")}
 
 
+def by_expert(pieces: int):
+    """The local shape of an expert adapter cut by expert into ``pieces``: lora_A's rows, lora_B's columns."""
+    return lambda name, full: (full[0] // pieces, full[1]) if ".lora_A." in name else (full[0], full[1] // pieces)
+
+
 def check_lora(pool, path: str, ref: dict[str, Any], when: str, save: str, pieces: int,
-               impl: str = "grouped_mm") -> None:
+               impl: str | None = "grouped_mm", tensors: tuple[str, ...] = tuple(EXPERT_TENSORS),
+               local=None) -> None:
     """:func:`lora_train` on ``pool`` against :func:`lora_reference`: each rank holds ``1/pieces`` of
-    every expert adapter (lora_A's rows, lora_B's columns); loss, logits, every adapter gradient and
-    3 SGD steps equal one process's; ``save_pretrained`` wrote the trained adapter, which a plain PEFT
-    loads; ``merge_and_unload`` gives one process's merged weights."""
+    every expert adapter (lora_A's rows, lora_B's columns; ``local(name, full shape)``: the shape it
+    holds otherwise); loss, logits, every adapter gradient and 3 SGD steps equal one process's;
+    ``save_pretrained`` wrote the trained adapter, which a plain PEFT loads; ``merge_and_unload``
+    gives one process's merged weights."""
     import torch
     from peft import PeftModel
 
-    results = pool.run(lora_train, path, batch(), when, save, impl)
+    results = pool.run(lora_train, path, batch(), when, save, impl, "", tensors)
     got = results[0]
     experts = got["local"]
     assert len(experts) == len([n for n in ref["adapter"] if ".experts." in n]) >= 4, sorted(experts)
     assert len([n for n in got["grads"] if ".experts." in n]) == len(experts), sorted(got["grads"])
+    expected = local or by_expert(pieces)
     for name, shape in experts.items():
-        full = tuple(ref["adapter"][name].shape)
-        assert shape == ((full[0] // pieces, full[1]) if ".lora_A." in name else (full[0], full[1] // pieces)), name
+        assert shape == expected(name, tuple(ref["adapter"][name].shape)), (name, shape)
     parity.compare(got, ref)
     assert all(models.rel_err(r["loss"], ref["loss"]) <= parity.TOL for r in results)
     for name, value in ref["merged"].items():
         assert models.rel_err(got["merged"][name], value) <= parity.TOL, name
-    loaded = PeftModel.from_pretrained(load(path, impl), save).state_dict()  # a plain process, PEFT's own load
+    loaded = PeftModel.from_pretrained(_loaded(path, impl), save).state_dict()  # a plain process, PEFT's own load
     for name, value in ref["adapter"].items():
         assert torch.equal(loaded[name], got["state"][name]), name
         assert models.rel_err(loaded[name], value) <= parity.TOL, name

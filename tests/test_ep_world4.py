@@ -83,14 +83,16 @@ def test_lora_on_expert_parameters_under_ep_tp(ready, tmp_path) -> None:
     """PEFT ``target_parameters`` at ep=2 x tp=2: each rank holds its ep slice's rows of the expert
     adapters, the tp ranks of a dp rank dispatch their shares of its tokens, and the adapters'
     gradients are summed over edp and tp like the experts'. Where the release's TP plan also cuts
-    the experts within each expert on tp (5.24's experts-TP), the adapters have no such cut: refused."""
+    the experts within each expert on tp too (5.24's experts-TP), both cuts at once: refused."""
     pool, root = ready
     path = models.build("qwen3_moe", root)
     if epwork.expert_axes("qwen3_moe") == ["ep", "tp"]:  # transformers 5.24
         for text in pool.run(epwork.lora_error, path, epwork.EXPERT_TENSORS):
             assert text.startswith("ShardingError: model.layers.1.mlp.experts: PEFT LoRA on the parameter "
                                    "'down_proj' (target_parameters), which hp_lazy cuts S(0) on ep, S(2) on tp of "
-                                   "[4, 32, 32]: hp_lazy cuts such adapters only where the experts are cut by expert"), text
+                                   "[4, 32, 32]: hp_lazy cuts such adapters where the experts are cut by expert (ep, "
+                                   "or Plan.auto's by-expert split over tp) or within each expert on tp alone, not both "
+                                   "at once"), text
         return
     epwork.check_lora(pool, path, epwork.lora_reference(path, epwork.batch()), "after", str(tmp_path / "adapter"), 2)
 
