@@ -194,7 +194,8 @@ def lay_out_parameter_adapters(
             rank = module.r[adapter]
             a, b = factors.values()
             _refuse_parameter_adapter(name, wanted, layout, param, tuple(a.shape), rank)
-            cuts = _factor_cuts(layout, rank, transposed=not module._did_swap_in_out_features)
+            swapped = getattr(module, "_did_swap_in_out_features", True)  # PEFT's reading: [E, out, in]
+            cuts = _factor_cuts(layout, rank, transposed=not swapped)
             for (pname, weight), shards in zip(factors.items(), cuts, strict=True):
                 fresh = _broadcast(weight)
                 if not shards:  # the factor left whole (a cut within each expert): replicated, as broadcast
