@@ -118,9 +118,10 @@ def test_lora_sized_from_a_shard_is_refused(ready, how: str) -> None:
     tensors = epwork.EXPERT_TENSORS
     for text in pool.run(epwork.lora_error, models.build("qwen3_moe", root), tensors, how):
         assert text.startswith("ShardingError: model.layers.1.mlp.experts: PEFT LoRA on the parameter 'down_proj' "
-                               "(target_parameters) has lora_A of shape [4, 32], sized from this rank's [2, 32, 32] "
-                               "of the [4, 32, 32] hp_lazy cuts S(0); one process's adapter holds r x 4 experts = "
-                               "8 rows; add every adapter of these experts at once"), text
+                               "(target_parameters) has lora_A of shape [4, 32] and lora_B of [32, 4], sized from "
+                               "this rank's [2, 32, 32] of the [4, 32, 32] hp_lazy cuts S(0); one process's adapter "
+                               "is [8, 32] and [32, 8] (r x 4 experts); add every adapter of these experts at "
+                               "once"), text
 
 
 def test_refresh_keeps_the_expert_rules(ready) -> None:

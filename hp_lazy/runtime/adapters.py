@@ -29,8 +29,8 @@ replaced submodule marks the model dirty), outside any ``torch.compile`` trace (
 lazy-module hook). ``lora_dropout`` on a rowwise base draws one process's mask for the full
 input and keeps this rank's columns (on a colwise base the input is replicated: torch's own
 dropout draws one process's mask already, given ranks seeded alike). LoRA on an experts module's
-3-D tensors (``target_parameters``) is cut by expert, like the experts under ep or tp's by-expert
-split (:func:`lay_out_parameter_adapters`). Refused with the fix: DoRA
+3-D tensors (``target_parameters``) is cut like the experts: by expert (ep, tp's by-expert split)
+or within each expert on tp (:func:`lay_out_parameter_adapters`). Refused with the fix: DoRA
 and other LoRA variants, ``lora_bias`` on a rowwise base, adapters on a vocab-parallel embedding
 or on any tuner layer that is not a LoRA ``Linear``.
 """
@@ -193,9 +193,9 @@ def lay_out_parameter_adapters(
                 continue
             rank = module.r[adapter]
             a, b = factors.values()
-            _refuse_parameter_adapter(name, wanted, layout, param, tuple(a.shape), rank)
-            swapped = getattr(module, "_did_swap_in_out_features", True)  # PEFT's reading: [E, out, in]
-            cuts = _factor_cuts(layout, rank, transposed=not swapped)
+            transposed = not getattr(module, "_did_swap_in_out_features", True)  # PEFT's reading: [E, out, in]
+            _refuse_parameter_adapter(name, wanted, layout, param, (tuple(a.shape), tuple(b.shape)), rank, transposed)
+            cuts = _factor_cuts(layout, rank, transposed=transposed)
             for (pname, weight), shards in zip(factors.items(), cuts, strict=True):
                 fresh = _broadcast(weight)
                 if not shards:  # the factor left whole (a cut within each expert): replicated, as broadcast
@@ -231,7 +231,8 @@ def _factor_cuts(
 
 
 def _refuse_parameter_adapter(
-    where: str, wanted: str, layout: ParamLayout, param: nn.Parameter, a_shape: tuple[int, ...], rank: int
+    where: str, wanted: str, layout: ParamLayout, param: nn.Parameter,
+    shapes: tuple[tuple[int, ...], tuple[int, ...]], rank: int, transposed: bool,
 ) -> None:
     experts = layout.full_shape[0]
     by_expert = [c for c in layout.shards if c.dim == 0]
@@ -244,13 +245,17 @@ def _refuse_parameter_adapter(
             "both at once (5.24's experts-TP under ep); target the attention and dense MLP modules "
             "(target_modules) instead, or use transformers 5.25, whose plans split these experts by expert"
         )
-    if a_shape[0] != rank * experts:
+    out_dim, in_dim = (2, 1) if transposed else (1, 2)
+    full = layout.full_shape
+    wanted_shapes = ((rank * experts, full[in_dim]), (full[out_dim], rank * experts))
+    if shapes != wanted_shapes:
         raise ShardingError(
             f"{where}: PEFT LoRA on the parameter {wanted!r} (target_parameters) has lora_A of shape "
-            f"{list(a_shape)}, sized from this rank's {list(param.shape)} of the {list(layout.full_shape)} hp_lazy "
-            f"cuts {layout.describe()}; one process's adapter holds r x {experts} experts = {rank * experts} rows; "
-            "add every adapter of these experts at once, before the forward that cuts them (PEFT sizes a later one "
-            "from the wrapper's local num_experts), with a PEFT that sizes them from ds_shape"
+            f"{list(shapes[0])} and lora_B of {list(shapes[1])}, sized from this rank's {list(param.shape)} of the "
+            f"{list(full)} hp_lazy cuts {layout.describe()}; one process's adapter is {list(wanted_shapes[0])} and "
+            f"{list(wanted_shapes[1])} (r x {experts} experts); add every adapter of these experts at once, before "
+            "the forward that cuts them (PEFT sizes a later one from the wrapper's local num_experts), with a PEFT "
+            "that sizes them from ds_shape"
         )
 
 
