@@ -103,6 +103,14 @@ def plain(name: str) -> str:
     return ".".join(part for part in name.split(".") if part != BASE)
 
 
+def old_name(name: str, live: Mapping[str, object]) -> str | None:
+    """The name a parameter had before PEFT wrapped its module (:func:`plain`), where that differs
+    and no live parameter has it: nested wrappers (``target_parameters`` on two tensors of one
+    module) give the inner adapter's old name to the outer adapter, a parameter of its own."""
+    before = plain(name)
+    return before if before != name and before not in live else None
+
+
 def tuners(module: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     """The outermost tuner layers at or under ``module``, by their name relative to it."""
     inside: list[str] = []

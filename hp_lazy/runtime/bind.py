@@ -420,8 +420,9 @@ def _alias_tied(ctx: BindContext) -> None:
         layout = ctx.by_param.get(id(param))
         if layout is not None:
             ctx.table.alias(name, layout)
-            if adapters.plain(name) not in live:  # nested wrappers: that name is another live parameter's
-                ctx.table.alias(adapters.plain(name), layout)  # its name once PEFT's merge_and_unload unwraps it
+            before = adapters.old_name(name, live)
+            if before:
+                ctx.table.alias(before, layout)  # its name once PEFT's merge_and_unload unwraps it
 
 
 def _check_shards_covered(ctx: BindContext) -> None:

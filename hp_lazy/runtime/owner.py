@@ -145,9 +145,8 @@ def refresh(model: nn.Module) -> None:
     by_param: dict[int, ParamLayout] = {}
     live = dict(model.named_parameters(remove_duplicate=False))
     for name, param in live.items():
-        layout = table.get(name)
-        if layout is None and adapters.plain(name) not in live:  # PEFT wrapped it: the name it had before
-            layout = table.get(adapters.plain(name))  # (a name a live parameter has is that one's: nested wrappers)
+        before = adapters.old_name(name, live)  # PEFT wrapped it since the bind
+        layout = table.get(name) or (table.get(before) if before else None)
         if layout is not None:
             table.alias(name, layout)
             by_param[id(param)] = layout
