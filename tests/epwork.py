@@ -479,12 +479,11 @@ def by_expert(pieces: int):
     return lambda name, full: (full[0] // pieces, full[1]) if ".lora_A." in name else (full[0], full[1] // pieces)
 
 
-def check_lora(pool, path: str, ref: dict[str, Any], when: str, save: str, pieces: int,
-               impl: str | None = "grouped_mm", tensors: tuple[str, ...] = tuple(EXPERT_TENSORS),
-               local=None) -> None:
-    """:func:`lora_train` on ``pool`` against :func:`lora_reference`: each rank holds ``1/pieces`` of
-    every expert adapter (lora_A's rows, lora_B's columns; ``local(name, full shape)``: the shape it
-    holds otherwise); loss, logits, every adapter gradient and 3 SGD steps equal one process's;
+def check_lora(pool, path: str, ref: dict[str, Any], when: str, save: str, local=None,
+               impl: str | None = "grouped_mm", tensors: tuple[str, ...] = tuple(EXPERT_TENSORS)) -> None:
+    """:func:`lora_train` on ``pool`` against :func:`lora_reference`: each rank holds the shape
+    ``local(name, full shape)`` of every expert adapter (default :func:`by_expert` in 2: half of
+    lora_A's rows, of lora_B's columns); loss, logits, every adapter gradient and 3 SGD steps equal one process's;
     ``save_pretrained`` wrote the trained adapter, which a plain PEFT loads; ``merge_and_unload``
     gives one process's merged weights."""
     import torch
@@ -495,7 +494,7 @@ def check_lora(pool, path: str, ref: dict[str, Any], when: str, save: str, piece
     experts = got["local"]
     assert len(experts) == len([n for n in ref["adapter"] if ".experts." in n]) >= 4, sorted(experts)
     assert len([n for n in got["grads"] if ".experts." in n]) == len(experts), sorted(got["grads"])
-    expected = local or by_expert(pieces)
+    expected = local or by_expert(2)
     for name, shape in experts.items():
         assert shape == expected(name, tuple(ref["adapter"][name].shape)), (name, shape)
     parity.compare(got, ref)
@@ -516,9 +515,9 @@ def lora_error(rank: int, world: int, path: str, tensors: list[str], how: str = 
     without an experts implementation to choose (Llama 4)."""
     from peft import LoraConfig
 
-    model = load(path, impl) if impl else parity._load(path)
-    for param in model.parameters():
-        if how == "strip":
+    model = _loaded(path, impl)
+    if how == "strip":
+        for param in model.parameters():
             param.__dict__.pop("ds_shape", None)
     peft_model = lora(model, targets=(), tensors=tensors)
     mine = {k: v[rank : rank + 1] for k, v in batch().items()}
@@ -537,7 +536,8 @@ def fsdp_model(path: str, wrap: str = "edp", impl: str = "grouped_mm"):
     each experts module over its edp ranks (``hp_lazy.mesh().edp_mesh()``), then each decoder layer
     and the root over dp. Wrong wraps, for the refusals: ``"inside"`` the experts left to their
     layer's FSDP2 over dp; ``"dp"`` the experts on their own but over dp; ``"factor"`` a divide
-    factor of FSDP2's own on the experts."""
+    factor of FSDP2's own on the experts; ``"ignored"`` the experts left out of FSDP2
+    (``ignored_params``), so nobody sums them over their edp ranks."""
     from torch.distributed.fsdp import fully_shard
 
     import hp_lazy
@@ -548,11 +548,12 @@ def fsdp_model(path: str, wrap: str = "edp", impl: str = "grouped_mm"):
     layers = model.model.layers
     for layer in layers:
         experts = getattr(layer.mlp, "experts", None)
-        if experts is not None and wrap != "inside":
+        if experts is not None and wrap not in ("inside", "ignored"):
             fully_shard(experts, mesh=dp_mesh if wrap == "dp" else mesh.edp_mesh())
             if wrap == "factor":
                 experts.set_gradient_divide_factor(float(mesh.degree("dp")))
-        fully_shard(layer, mesh=dp_mesh)
+        ignored = set(experts.parameters()) if experts is not None and wrap == "ignored" else None
+        fully_shard(layer, mesh=dp_mesh, ignored_params=ignored)
     fully_shard(model, mesh=dp_mesh)
     return model
 
@@ -598,7 +599,6 @@ def check_fsdp(pool, path: str, data: dict[str, Any], impl: str = "grouped_mm") 
 
 def fsdp_error(rank: int, world: int, path: str, wrap: str) -> str:
     """A wrong FSDP2 (or DDP) layout of an expert-parallel model, then a forward: the error text."""
-    model = None
     try:
         if wrap == "ddp":
             from torch.nn.parallel import DistributedDataParallel

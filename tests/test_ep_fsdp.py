@@ -76,6 +76,9 @@ def test_unscaled_edp_average_is_wrong(ready) -> None:
     ("factor", r"ShardingError: hp_lazy: model\.layers\.1\.mlp\.experts holds expert slices and FSDP2 divides their "
                r"gradients by 4\.0 \(its divide factor\), but hp_lazy already scales them by edp/dp for FSDP2's "
                r"average over the 2 edp ranks .*; leave the divide factor unset"),
+    ("ignored", r"ShardingError: hp_lazy: FSDP2 owns dp, but no FSDP2 module holds the expert slices "
+                r"\['model\.layers\.1\.mlp\.experts\.down_proj', 'model\.layers\.1\.mlp\.experts\.gate_up_proj'\] "
+                r"\(ignored_params\?\): nobody sums their gradients over the expert-data-parallel ranks \[\d, \d\]"),
     ("ddp", r"ShardingError: hp_lazy: this model runs inside torch DistributedDataParallel, which averages every "
             r"gradient over the dp ranks \[0, 1, 2, 3\], but under expert parallel \(ep=2\) each expert slice .* is "
             r"held only by its expert-data-parallel ranks; drop DDP"),

@@ -320,10 +320,14 @@ class EagerSums:
 
 
 def _summed(grad: torch.Tensor, rule: GradRule, group: Group) -> torch.Tensor:
-    stack = grad.new_zeros((rule.slots, grad.numel()))
-    stack[rule.slot] = grad.reshape(-1)
-    wire.all_reduce_(stack, group)
-    out = stack[rule.slot].view_as(grad) / rule.average if rule.average > 1 else stack[rule.slot].view_as(grad)
+    if group.size == 1 and rule.slots == 1:  # nothing to sum (an expert slice's scale alone): no copy
+        out = grad
+    else:
+        stack = grad.new_zeros((rule.slots, grad.numel()))
+        stack[rule.slot] = grad.reshape(-1)
+        wire.all_reduce_(stack, group)
+        out = stack[rule.slot].view_as(grad)
+    out = out / rule.average if rule.average > 1 else out
     return out * rule.scale if rule.scale != 1.0 else out
 
 
@@ -344,7 +348,7 @@ class GradOwner:
         self.mesh = mesh
         self.data_parallel = data_parallel
         self.experts = experts  # the expert slices' FQNs (FSDP2 owning dp must shard them over edp)
-        self._fsdp_checked: dict[int, weakref.ref[nn.Module]] = {}
+        self._fsdp_checked: list[weakref.ref[nn.Module]] = []  # the FSDP2 modules last found in order
         params = dict(root.named_parameters())
         entries = [_Entry(fqn=fqn, param=params[fqn], rule=rule) for fqn, rule in self.rules.items()]
         self.owns_dp = data_parallel and mesh.degree("dp") > 1
@@ -421,29 +425,43 @@ class GradOwner:
             )
         from torch.distributed.fsdp import FSDPModule  # imported by then (accelerate, transformers)
 
+        found: list[tuple[str, nn.Module]] = []
         for name, module in root.named_modules():
             sharded = isinstance(module, FSDPModule)  # a type test per module, no attribute lookups: every forward
-            if not sharded:
-                continue
-            seen = self._fsdp_checked.get(id(module))
-            if seen is not None and seen() is module:
-                continue
+            if sharded:
+                found.append((name, module))
+        if len(found) == len(self._fsdp_checked) and all(
+            ref() is module for ref, (_, module) in zip(self._fsdp_checked, found, strict=True)
+        ):
+            return  # the same FSDP2 modules as at the last check
+        held: list[str] = []
+        for name, module in found:
             mesh = _fsdp_mesh(module)
             where = name or type(root).__name__
-            experts = [f for f in _fsdp_managed(module, name) if f in self.experts] if self.experts else []
+            managed = _fsdp_managed(module, name)
+            experts = [f for f in managed if f in self.experts]
+            held += experts
             if experts:
-                self._check_fsdp_experts(name, where, module, mesh, experts)
+                self._check_fsdp_experts(where, module, mesh, experts, managed)
             elif mesh is not None and mesh.ndim == 1 and _pg_ranks(mesh.get_group()) != dp:
                 raise ShardingError(
                     f"hp_lazy: {where} is sharded by FSDP2 over ranks "
                     f"{_pg_ranks(mesh.get_group())}, but hp_lazy's shards are held alike only by the data-parallel "
                     f"ranks {dp}; pass fully_shard(module, mesh=hp_lazy.mesh().device_mesh['dp'])"
                 )
-            self._fsdp_checked[id(module)] = weakref.ref(module)
+        edp = _ranks(self.mesh.group_of((EDP,))) if self.experts else []
+        left = sorted(self.experts - set(held)) if found and len(edp) > 1 else []
+        if left:
+            raise ShardingError(
+                f"hp_lazy: FSDP2 owns dp, but no FSDP2 module holds the expert slices {left[:2]} (ignored_params?): "
+                f"nobody sums their gradients over the expert-data-parallel ranks {edp} that hold them alike; call "
+                "fully_shard(<experts module>, mesh=hp_lazy.mesh().edp_mesh()) on each experts module"
+            )
+        self._fsdp_checked = [weakref.ref(module) for _, module in found]
 
-    def _check_fsdp_experts(self, name: str, where: str, module: nn.Module, mesh: Any, experts: list[str]) -> None:
+    def _check_fsdp_experts(self, where: str, module: nn.Module, mesh: Any, experts: list[str],
+                            managed: list[str]) -> None:
         """An FSDP2 module holding expert slices: over the edp ranks, FSDP2's own average, nothing else."""
-        managed = _fsdp_managed(module, name)
         dense = [f for f in managed if f not in self.experts]
         if dense:
             raise ShardingError(
@@ -470,14 +488,15 @@ class GradOwner:
 
 
 def _fsdp_managed(module: nn.Module, name: str) -> list[str]:
-    """The FQNs of the parameters FSDP2's ``fully_shard(module)`` manages: its own, less those of
-    submodules sharded on their own (``name``: the module's FQN in the bound model)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    inner = [n for n, m in module.named_modules() if n and isinstance(m, FSDPModule)]
+    """The FQNs of the parameters FSDP2's ``fully_shard(module)`` manages (its parameter groups:
+    submodules sharded on their own and ``ignored_params`` left out; ``name``: the module's FQN in
+    the bound model)."""
+    state = getattr(module, "_get_fsdp_state")()  # noqa: B009 - an FSDPModule, typed nn.Module here
+    held = {(id(p._module_info.module), p._module_info.param_name)
+            for group in getattr(state, "_fsdp_param_groups", ()) for p in group.fsdp_params}
     prefix = f"{name}." if name else ""
-    return [prefix + n for n, _ in module.named_parameters()
-            if not any(n.startswith(f"{i}.") for i in inner)]
+    return [f"{prefix}{sub}.{leaf}" if sub else f"{prefix}{leaf}"
+            for sub, owner in module.named_modules() for leaf in owner._parameters if (id(owner), leaf) in held]
 
 
 def _fsdp_mesh(module: Any) -> Any:
