@@ -87,7 +87,7 @@ def test_lora_on_expert_parameters_matches_one_process(ready, lora_ref, when: st
     ``merge_and_unload`` gives one process's merged weights."""
     pool, _ = ready
     path, ref = lora_ref
-    epwork.check_lora(pool, path, ref, when, str(tmp_path / "adapter"), pieces=2)
+    epwork.check_lora(pool, path, ref, when, str(tmp_path / "adapter"))
 
 
 def test_lora_on_gpt_oss_transposed_experts(ready, tmp_path) -> None:
@@ -96,7 +96,7 @@ def test_lora_on_gpt_oss_transposed_experts(ready, tmp_path) -> None:
     pool, root = ready
     path = models.build("gpt_oss", root)
     ref = epwork.lora_reference(path, epwork.batch(), "eager")
-    epwork.check_lora(pool, path, ref, "before", str(tmp_path / "adapter"), 2, "eager")
+    epwork.check_lora(pool, path, ref, "before", str(tmp_path / "adapter"), impl="eager")
 
 
 @pytest.mark.parametrize("control", ["unsummed", "contiguous"])
