@@ -64,8 +64,10 @@ def sft(rank: int, world: int, path: str, out: str, packing: bool = False, compl
         padding_free=False, bf16=False,  # TRL turns bf16 autocast on by default: parity is checked in fp32
         gradient_checkpointing=checkpointing,
     )
-    torch.manual_seed(7)  # the adapters' init: the same draws in every process
-    peft = LoraConfig(**lora) if lora else None
+    peft = None
+    if lora:
+        torch.manual_seed(7)  # the adapters' init: the same draws in every process
+        peft = LoraConfig(**lora)
     run = SFTTrainer(model=model, args=args, train_dataset=_dataset(completion_only), processing_class=tokenizer(),
                      peft_config=peft)
     return _trained(rank, run, model, ("loss", "grad_norm", "entropy", "mean_token_accuracy"))
