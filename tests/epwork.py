@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 from typing import Any
 
+import ckptwork
 import models
 import parity
 
@@ -595,6 +596,86 @@ def check_fsdp(pool, path: str, data: dict[str, Any], impl: str = "grouped_mm") 
         assert models.rel_err(got["loss"], ref["loss"]) <= parity.TOL
         assert models.rel_err(got["norm"], ref["norm"]) <= parity.TOL
     return results
+
+
+def _fsdp_rows() -> dict[str, Any]:
+    import hp_lazy
+
+    dp = hp_lazy.mesh().group("dp")
+    return {k: v.chunk(dp.size)[dp.rank] for k, v in batch(rows=4).items()}
+
+
+def _fsdp_steps(model, opt, rows: dict[str, Any]) -> None:
+    for _ in range(3):
+        opt.zero_grad()
+        model(**rows).loss.backward()
+        opt.step()
+
+
+def _fsdp_or_own(path: str, fsdp: bool):
+    import hp_lazy
+
+    return fsdp_model(path) if fsdp else hp_lazy.parallelize(load(path))
+
+
+def fsdp_train_and_save(rank: int, world: int, path: str, ckpt: str, fsdp: bool) -> dict[str, Any] | None:
+    """AdamW, 3 steps, DCP save (model and optimizer) and ``save_pretrained`` on every rank, 3 more
+    steps; on rank 0 the full weights at the save and at the end."""
+    import torch
+
+    import hp_lazy
+
+    model = _fsdp_or_own(path, fsdp)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    rows = _fsdp_rows()
+    _fsdp_steps(model, opt, rows)
+    ckptwork.save(model, opt, ckpt)
+    model.save_pretrained(ckpt + "_hf")  # every rank: the shards gathered one at a time, rank 0 writes
+    saved = hp_lazy.full_state_dict(model)
+    _fsdp_steps(model, opt, rows)
+    full = hp_lazy.full_state_dict(model)
+    return {"full": full, "saved": saved} if rank == 0 else None
+
+
+def fsdp_resume(rank: int, world: int, path: str, ckpt: str, fsdp: bool, api: str) -> dict[str, Any] | None:
+    """A fresh model (FSDP2 owning dp, or hp_lazy's own dp) resumed from ``ckpt``, then 3 steps."""
+    import torch
+
+    import hp_lazy
+
+    model = _fsdp_or_own(path, fsdp)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    ckptwork.load(model, opt, ckpt, api)
+    _fsdp_steps(model, opt, _fsdp_rows())
+    full = hp_lazy.full_state_dict(model)
+    return full if rank == 0 else None
+
+
+def fsdp_checkpoint_errors(pool, path: str, tmp: str) -> dict[str, float]:
+    """AdamW, 3 steps, save (DCP with the optimizer; save_pretrained), 3 more = the uninterrupted
+    run; resumed at the same layout (torch's get/set_state_dict and the model's own state_dict()),
+    under hp_lazy's own dp average, and in one plain process; the other way, hp_lazy's own
+    checkpoint resumed under FSDP2. Asserts that save_pretrained wrote the weights at the save (what
+    a plain process loads); returns each resume's worst error against its uninterrupted run."""
+    import torch
+
+
+    fsdp_ckpt, own_ckpt = f"{tmp}/fsdp", f"{tmp}/own"
+    ref, at_save = pool.run(fsdp_train_and_save, path, fsdp_ckpt, True)[0].values()
+    own_ref = pool.run(fsdp_train_and_save, path, own_ckpt, False)[0]["full"]
+    errors = {f"fsdp -> same ({api})": ckptwork.errors(pool.run(fsdp_resume, path, fsdp_ckpt, True, api)[0], ref)
+              for api in ("dsd", "plain")}
+    errors["fsdp -> hp_lazy dp"] = ckptwork.errors(pool.run(fsdp_resume, path, fsdp_ckpt, False, "dsd")[0], ref)
+    errors["hp_lazy dp -> fsdp"] = ckptwork.errors(pool.run(fsdp_resume, path, own_ckpt, True, "dsd")[0], own_ref)
+    errors["fsdp -> one plain process"] = ckptwork.errors(
+        ckptwork.resume_plain(load(path), fsdp_ckpt, lambda m, o: _fsdp_steps(m, o, batch(rows=4))), ref)
+    saved = load(fsdp_ckpt + "_hf").state_dict()
+    start = load(path).state_dict()
+    assert saved.keys() == at_save.keys()
+    for name, value in at_save.items():
+        assert torch.equal(saved[name], value), name
+    assert not torch.equal(start["model.layers.1.mlp.experts.down_proj"], saved["model.layers.1.mlp.experts.down_proj"])
+    return errors
 
 
 def fsdp_error(rank: int, world: int, path: str, wrap: str) -> str:

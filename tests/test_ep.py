@@ -72,6 +72,17 @@ def test_fsdp2_with_one_rank_per_expert_slice(ready) -> None:
         assert all(mesh == ("edp",) and shape[0] == 2 for shape, mesh in got["experts"].values()), got["experts"]
 
 
+def test_fsdp2_checkpoints_with_one_rank_per_expert_slice(ready, tmp_path) -> None:
+    """The checkpoints of that layout (a one-rank edp mesh: FSDP2 keeps each slice whole): AdamW through
+    DCP and save_pretrained (:func:`epwork.fsdp_checkpoint_errors`), resumed at the same layout with
+    both APIs, under hp_lazy's own dp, in one plain process, and hp_lazy's own checkpoint under FSDP2."""
+    pool, root = ready
+    errors = epwork.fsdp_checkpoint_errors(pool, models.build("qwen3_moe", root), str(tmp_path))
+    print("FSDP2 x ep (edp = 1) resume errors:", errors)
+    assert max(v for k, v in errors.items() if "-> same" in k) <= 1e-6, errors  # the same arithmetic
+    assert max(errors.values()) <= parity.TOL, errors
+
+
 @pytest.fixture(scope="module")
 def lora_ref(root: str) -> tuple[str, dict]:
     path = models.build("qwen3_moe", root)

@@ -9,12 +9,10 @@ average over edp left unscaled. Then ep=2 x cp=2 (the edp ranks spanning dp and 
 
 from __future__ import annotations
 
-import ckptwork
 import epwork
 import models
 import parity
 import pytest
-import torch
 from dist import DistPool, pool_fixture
 
 pool4 = pool_fixture(4, timeout=180)
@@ -91,71 +89,15 @@ def test_wrong_layouts_are_refused(ready, wrap: str, text: str) -> None:
         assert re.match(text, got), got
 
 
-def _train_and_save(rank: int, world: int, path: str, ckpt: str, fsdp: bool) -> dict | None:
-    import hp_lazy
-
-    model = epwork.fsdp_model(path) if fsdp else hp_lazy.parallelize(epwork.load(path))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
-    rows = _rows()
-    _steps(model, opt, rows)
-    ckptwork.save(model, opt, ckpt)
-    model.save_pretrained(ckpt + "_hf")  # every rank: the shards gathered one at a time, rank 0 writes
-    saved = hp_lazy.full_state_dict(model)
-    _steps(model, opt, rows)
-    full = hp_lazy.full_state_dict(model)
-    return {"full": full, "saved": saved} if rank == 0 else None
-
-
-def _resume(rank: int, world: int, path: str, ckpt: str, fsdp: bool, api: str) -> dict | None:
-    import hp_lazy
-
-    model = epwork.fsdp_model(path) if fsdp else hp_lazy.parallelize(epwork.load(path))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
-    ckptwork.load(model, opt, ckpt, api)
-    _steps(model, opt, _rows())
-    full = hp_lazy.full_state_dict(model)
-    return full if rank == 0 else None
-
-
-def _rows() -> dict:
-    import hp_lazy
-
-    dp = hp_lazy.mesh().group("dp")
-    return {k: v.chunk(dp.size)[dp.rank] for k, v in epwork.batch(rows=4).items()}
-
-
-def _steps(model, opt, rows: dict) -> None:
-    for _ in range(3):
-        opt.zero_grad()
-        model(**rows).loss.backward()
-        opt.step()
-
-
 def test_fsdp2_over_edp_checkpoints(ready, tmp_path) -> None:
-    """AdamW, 3 steps, save (DCP with the optimizer; save_pretrained), 3 more = the uninterrupted
-    run; resumed at the same layout (torch's get/set_state_dict and the model's own state_dict()),
-    under hp_lazy's own dp average, and in one plain process; the other way, hp_lazy's own
-    checkpoint resumed under FSDP2. save_pretrained wrote what a plain process loads."""
+    """AdamW through DCP and save_pretrained (:func:`epwork.fsdp_checkpoint_errors`): resumed at the
+    same layout with both APIs, under hp_lazy's own dp, in one plain process, and hp_lazy's own
+    checkpoint under FSDP2."""
     pool, root = ready
-    path = models.build("qwen3_moe", root)
-    fsdp_ckpt, own_ckpt = str(tmp_path / "fsdp"), str(tmp_path / "own")
-    ref, at_save = pool.run(_train_and_save, path, fsdp_ckpt, True)[0].values()
-    own_ref = pool.run(_train_and_save, path, own_ckpt, False)[0]["full"]
-    errors = {f"fsdp -> same ({api})": ckptwork.errors(pool.run(_resume, path, fsdp_ckpt, True, api)[0], ref)
-              for api in ("dsd", "plain")}
-    errors["fsdp -> hp_lazy dp"] = ckptwork.errors(pool.run(_resume, path, fsdp_ckpt, False, "dsd")[0], ref)
-    errors["hp_lazy dp -> fsdp"] = ckptwork.errors(pool.run(_resume, path, own_ckpt, True, "dsd")[0], own_ref)
-    errors["fsdp -> one plain process"] = ckptwork.errors(
-        ckptwork.resume_plain(epwork.load(path), fsdp_ckpt, lambda m, o: _steps(m, o, epwork.batch(rows=4))), ref)
+    errors = epwork.fsdp_checkpoint_errors(pool, models.build("qwen3_moe", root), str(tmp_path))
     print("FSDP2 x ep resume errors:", errors)
     assert max(v for k, v in errors.items() if "-> same" in k) <= SAME, errors
     assert max(errors.values()) <= OTHER, errors
-    saved = epwork.load(fsdp_ckpt + "_hf").state_dict()
-    start = epwork.load(path).state_dict()
-    assert saved.keys() == at_save.keys()
-    for name, value in at_save.items():
-        assert torch.equal(saved[name], value), name
-    assert not torch.equal(start["model.layers.1.mlp.experts.down_proj"], saved["model.layers.1.mlp.experts.down_proj"])
 
 
 def test_fsdp2_over_edp_with_context_parallel(pool4: DistPool, root: str) -> None:
