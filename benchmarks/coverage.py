@@ -192,8 +192,11 @@ FAMILY_EXTRA: dict[str, dict[str, Any]] = {
     "glm5_next": dict(index_kpool=2, qk_rope_head_dim=0),
     "zaya": dict(num_experts_per_tok=1),  # top-1 routing only
     # one K/V source per kept layer; NVFP4 K/V rounding needs heads 16 wide; its indexer uses at most the
-    # query heads of one K/V head (4 / 2)
-    "kolibri1_1": dict(kv_source_layers=[0, 1], head_dim=16, index_num_heads=2),
+    # query heads of one K/V head (4 / 2). Layer 1 indexed (the defaults' 2 layers are both sliding windows),
+    # with a pool of 8 keys in blocks of 2 and 1 sink + 2 local tokens, so that rows past 7 keys select
+    "kolibri1_1": dict(kv_source_layers=[0, 1], head_dim=16, index_num_heads=2,
+                       layer_types=["sliding_attention", "indexed_attention"], index_layers=[1], index_pool_size=8,
+                       index_compression=2, index_num_local_tokens=2, index_num_sink_tokens=1),
     "gemma4": dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32),  # the MoE variant
     "cohere_compass": dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
 }

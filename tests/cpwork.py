@@ -189,6 +189,16 @@ def train_broken(rank: int, world: int, path: str, data: dict[str, Any], how: st
         gather = indexed._GatheredKeys.update_indexer
         patch(indexed._GatheredKeys, "update_indexer",
               lambda self, k, i: gather(self, k, i).index_select(1, self.state.zig.gathered))
+    elif how == "mask indexer keys in rank order":  # Kolibri 1.1: the pool's blocks and the top-k over other keys
+        from hp_lazy.runtime.cp import indexed
+
+        gather_keys = indexed._gather_keys
+
+        def rank_order(arguments, st):
+            gather_keys(arguments, st)
+            arguments[indexed.KEYS] = arguments[indexed.KEYS].index_select(2, st.zig.gathered)
+
+        patch(indexed, "_gather_keys", rank_order)
     elif how in ("temperature of the local rows", "chunks ignored"):  # Llama 4 as its code runs on local rows
         from hp_lazy.runtime.cp import positions
 

@@ -119,6 +119,18 @@ MORE_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "deepseek_v32": ("DeepseekV32Config", {**_DSA, "first_k_dense_replace": 1}),
     "glm_moe_dsa": ("GlmMoeDsaConfig", {**_DSA, "num_hidden_layers": 3, "indexer_types": ["full", "shared", "full"],
                                         "first_k_dense_replace": 1}),
+    # Kolibri 1.1: sparse layers whose indexer selects, from the attention's own NVFP4-rounded keys, a pool
+    # of key blocks (layers 1 and 3: 8 keys of 2-key blocks) and then each row's top 3 of its pool plus 1
+    # sink and 2 local tokens: rows past 6 keys select, rows past 8 pool. Layer 2 rescores layer 1's pool
+    # and reads its K/V; layer 0 is a sliding window with no indexer
+    "kolibri1_1": ("Kolibri1_1Config", {"num_key_value_heads": 2, "head_dim": 16, "sliding_window": 6,
+                                        "layer_types": ["sliding_attention"] + ["indexed_attention"] * 3,
+                                        "num_hidden_layers": 4, "index_layers": [1, 3], "kv_source_layers": [0, 1, 1, 3],
+                                        "index_topk": 3, "index_pool_size": 8, "index_compression": 2,
+                                        "index_num_heads": 2, "index_num_local_tokens": 2, "index_num_sink_tokens": 1,
+                                        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                                        "shared_expert_intermediate_size": 16, "mlp_only_layers": [0],
+                                        "mlp_only_intermediate_size": 32}),
     "gpt_oss": ("GptOssConfig", {"head_dim": 8, "num_local_experts": 4, "num_experts_per_tok": 2,
                                  "intermediate_size": 16, "sliding_window": 6,
                                  "rope_parameters": {"rope_type": "yarn", "factor": 2.0, "beta_fast": 32.0,

@@ -34,6 +34,7 @@ CASES = [("llama_gqa", "plain"), ("qwen3", "plain"), ("llama_bias", "plain"), ("
          ("gemma2", "plain"), ("gemma2", "padded"),  # logit softcapping
          ("deepseek_v32", "plain"), ("deepseek_v32", "packed"), ("deepseek_v32", "padded"),  # DSA: top-4 of 16 keys
          ("glm_moe_dsa", "plain"),  # DSA: a layer reusing the top-k of the one before
+         ("kolibri1_1", "plain"), ("kolibri1_1", "packed"), ("kolibri1_1", "padded"),  # a selection-mask indexer
          ("llama4", "plain"), ("llama4", "packed"), ("llama4", "left_padded"),  # chunked attention, temperature
          ("ergo", "packed")]  # no TP plan: its ep plan locates the attention (a sliding and a global layer)
 
@@ -46,7 +47,8 @@ def test_cp_matches_one_process(ready, name: str, kind: str) -> None:
 
 
 NAIVE = {"local positions": "llama_gqa", "upper-left causal": "llama_gqa", "mean of means": "llama_gqa",
-         "indexer keys in rank order": "deepseek_v32", "temperature of the local rows": "llama4",
+         "indexer keys in rank order": "deepseek_v32", "mask indexer keys in rank order": "kolibri1_1",
+         "temperature of the local rows": "llama4",
          "chunks ignored": "llama4"}
 
 

@@ -57,6 +57,6 @@ def test_dsa_under_ulysses_is_refused_by_layer(pool2: DistPool, root: str) -> No
     (whole rows of some heads) would need every rank's rows of it; refused at load, naming the fix."""
     got = _ready(pool2, 2).run(cpwork.error, models.build("deepseek_v32", root), cpwork.batch("plain"))
     assert got == ["ShardingError: model.layers.0.self_attn (DeepseekV32ForCausalLM): context parallel cannot split "
-                   "this attention over the sequence: it selects its keys with a DSA indexer, which context parallel "
+                   "this attention over the sequence: it selects its keys with an indexer, which context parallel "
                    "splits with cp_mode='allgather' only (Ulysses would need every rank's whole rows of the "
                    "selection); use cp_mode='allgather'; train this family without cp"] * 2

@@ -36,7 +36,8 @@ def test_cp2_tp2(cp2tp2: DistPool, root: str, name: str, kind: str) -> None:
 
 @pytest.mark.parametrize(("name", "kind"), [("llama_gqa", "plain"), ("qwen3_sliding", "packed"), ("llama_dynamic", "plain"),
                                             ("gpt_oss", "packed"), ("gemma2", "padded"), ("deepseek_v32", "packed"),
-                                            ("glm_moe_dsa", "padded"), ("llama4", "packed")])
+                                            ("glm_moe_dsa", "padded"), ("llama4", "packed"),
+                                            ("kolibri1_1", "plain")])  # the selection mask of 2-row zigzag chunks
 def test_cp4(cp4: DistPool, root: str, name: str, kind: str) -> None:
     cpwork.check(_ready(cp4, 4, 1), models.build(name, root), cpwork.batch(kind))
 

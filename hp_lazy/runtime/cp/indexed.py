@@ -1,12 +1,19 @@
-"""DeepSeek Sparse Attention (DSA) under context parallel: the indexer's top-k over the whole sequence.
+"""Sparse attention with an indexer under context parallel: each row's keys selected over the whole sequence.
 
-A DSA attention module (DeepSeek-V3.2, GLM-MoE-DSA, AXK2, Mistral-Large-4, HY-V4) is MLA whose
-every query attends only to the ``index_topk`` keys its *indexer* scores highest: a small
-projection of each token to one indexer key, scored against the query rows under the causal mask
-(``attention_mask[:, 0]``), top-k over the keys; layers whose indexer is ``None`` reuse the
-previous layer's top-k. transformers hands the top-k to the attention function as ``indices``
-(``[B, rows, topk]`` key positions) under any implementation but eager/SDPA, whose mask it folds
-them into instead.
+Two kinds of indexed attention module, told apart by what their indexer takes:
+
+- **DSA** (DeepSeek-V3.2, GLM-MoE-DSA, AXK2, Mistral-Large-4, HY-V4): MLA whose every query
+  attends only to the ``index_topk`` keys its *indexer* scores highest: a small projection of each
+  token to one indexer key, scored against the query rows under the causal mask
+  (``attention_mask[:, 0]``), top-k over the keys; layers whose indexer is ``None`` reuse the
+  previous layer's top-k. transformers hands the top-k to the attention function as ``indices``
+  (``[B, rows, topk]`` key positions) under any implementation but eager/SDPA, whose mask it folds
+  them into instead. The indexer takes a ``cache``.
+- **A selection mask** (Kolibri 1.1): the indexer takes the attention's own ``key_states`` and
+  ``attention_mask`` and returns the mask of the keys each row keeps (a pool of key blocks from
+  the pool-source layers, then the top-k of the pool plus sink and local tokens), which the module
+  hands to the attention function as its mask. Layers without an indexer (sliding windows) select
+  nothing: they are plain attention.
 
 Under cp each rank holds its zigzag rows; the keys a query may select are the whole sequence's.
 So, per indexed module (:func:`wrap`):
@@ -14,20 +21,24 @@ So, per indexed module (:func:`wrap`):
 - the module receives, for the ``attention_mask`` the model passes as ``None`` under cp, the
   visibility of its rows over the whole sequence's keys (causal, packed documents, key padding):
   ``[B, 1, S/C, S]`` bool, keys in sequence order;
-- the indexer's keys are all-gathered over cp and put in sequence order, through the one hook its
-  code has for keys beyond its own rows: ``cache.update_indexer(k, layer_idx)`` (a cache object
-  that only gathers; the indexer runs without gradients, so the gather carries none). Sequence
-  order matters beyond the indices' meaning: the indexer's ReLU scores tie (at 0) wherever every
-  indexer head scores a key negative, and the top-k breaks ties by position, as in one process
-  only if the keys stand where one process has them;
-- :func:`~hp_lazy.runtime.cp.attention.cp_attention` takes ``indices`` and that mask
+- the indexer's keys are all-gathered over cp and put in sequence order. DSA's through the one
+  hook its code has for keys beyond its own rows: ``cache.update_indexer(k, layer_idx)`` (a cache
+  object that only gathers; the indexer runs without gradients, so the gather carries none). A
+  mask indexer's ``key_states`` argument is gathered before its forward runs (an autograd gather:
+  a reduce-scatter of the keys' gradient in backward, should an indexer ever differentiate
+  through them). Sequence order matters beyond the indices' meaning: scores tie (DSA's ReLU
+  scores at 0 wherever every indexer head scores a key negative; Kolibri's pool and top-k), and
+  the top-k breaks ties by position, as in one process only if the keys stand where one process
+  has them;
+- :func:`~hp_lazy.runtime.cp.attention.cp_attention` takes ``indices`` (DSA) and the mask
   (:func:`selected`) and runs the blockwise attention with every non-empty tile masked by the
-  selection (the MLA K/V, gathered in rank order by :mod:`.latent`, are put in sequence order as
-  for any attention).
+  selection (the MLA K/V, gathered in rank order by :mod:`.latent`, and a mask indexer's K/V,
+  gathered by the attention function, are put in sequence order as for any attention).
 
-The price is DSA's own: transformers' indexer scores every (row, key) pair (``[B, rows, heads, S]``
-floats); each rank holds ``1/C`` of one process's, plus the ``[B, S/C, S]`` selection mask.
-Only with ``cp_mode='allgather'`` (Ulysses splits heads, and would need every rank's whole rows).
+The price is the indexer's own: transformers' indexers score every (row, key) pair (``[B, rows,
+heads, S]`` floats); each rank holds ``1/C`` of one process's, plus the ``[B, S/C, S]`` selection
+mask. Only with ``cp_mode='allgather'`` (Ulysses splits heads, and would need every rank's whole
+rows).
 """
 
 from __future__ import annotations
@@ -41,7 +52,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hp_lazy.runtime.comm import wire
+from hp_lazy.runtime.comm import gather_to, wire
 from hp_lazy.runtime.cp.state import CallState, current
 
 FLAG = "hp_cp_indexed"
@@ -49,22 +60,35 @@ FLAG = "hp_cp_indexed"
 accepts its mask and ``indices``."""
 
 
-def is_indexed(module: nn.Module) -> bool:
-    """A DSA attention module: it has an ``indexer`` attribute (``None`` on a layer that reuses the
-    previous layer's top-k)."""
-    return hasattr(module, "indexer")
+KEYS = "key_states"
+"""The argument through which a selection-mask indexer takes the attention's keys."""
+
+
+def is_indexed(module: nn.Module, passes_indices: bool) -> bool:
+    """An attention module that selects its keys: it has an indexer, or it has an ``indexer``
+    attribute that is ``None`` and passes a selection to the attention function (DSA: the previous
+    layer's top-k as ``indices``; MiniMax-M3: ``block_indices``). A ``None`` indexer on a module that
+    passes none (Kolibri's sliding layers) selects nothing."""
+    return getattr(module, "indexer", None) is not None or (hasattr(module, "indexer") and passes_indices)
+
+
+def _takes_keys(indexer: nn.Module | None) -> bool:
+    return indexer is not None and KEYS in inspect.signature(type(indexer).forward).parameters
 
 
 def unsupported(module: nn.Module, mode: str) -> str | None:
     """Why context parallel cannot split this indexed attention, or None."""
     if mode != "cp_allgather_kv":
-        return ("selects its keys with a DSA indexer, which context parallel splits with cp_mode='allgather' only "
+        return ("selects its keys with an indexer, which context parallel splits with cp_mode='allgather' only "
                 "(Ulysses would need every rank's whole rows of the selection); use cp_mode='allgather'")
+    indexer = getattr(module, "indexer", None)
+    if _takes_keys(indexer):  # a selection mask over the attention's own keys (Kolibri 1.1)
+        return None
     if not callable(getattr(type(module), "expand_kv", None)):
         return ("selects its keys with an indexer over attention that is not MLA (no expand_kv); context parallel "
-                "splits DeepSeek-V3.2's kind of DSA only (an MLA latent; each token's top-k keys over the whole "
-                "sequence handed to the attention function as indices)")
-    indexer = getattr(module, "indexer", None)
+                "splits DeepSeek-V3.2's kind of DSA (an MLA latent; each token's top-k keys over the whole "
+                f"sequence handed to the attention function as indices) and indexers that take the attention's "
+                f"{KEYS} and return a selection mask (Kolibri 1.1)")
     if indexer is not None and "cache" not in inspect.signature(type(indexer).forward).parameters:
         return (f"selects its keys with a DSA indexer ({type(indexer).__name__}) that takes no cache, the hook "
                 "through which context parallel hands it the whole sequence's indexer keys")
@@ -104,16 +128,30 @@ def wrap(module: nn.Module) -> None:
     setattr(module, FLAG, True)
     indexer = getattr(module, "indexer", None)
     if indexer is not None:
-        indexer.forward = _rebound(indexer.forward, _give_keys)
+        indexer.forward = _rebound(indexer.forward, _gather_keys if _takes_keys(indexer) else _give_keys)
 
 
 def _give_mask(arguments: dict[str, Any], state: CallState) -> None:
+    """The rows' mask, one per batch row as one process's mask is: a mask of one row broadcast over the
+    batch (the causal case) would have Kolibri's indexer, which loops over the mask's batch rows,
+    select for the first row only (an expanded view, no copy)."""
     if arguments.get("attention_mask") is None:
-        arguments["attention_mask"] = rows_mask(state)
+        mask = rows_mask(state)
+        hidden = arguments.get("hidden_states")
+        batch = hidden.shape[0] if isinstance(hidden, torch.Tensor) else mask.shape[0]
+        arguments["attention_mask"] = mask.expand(batch, *mask.shape[1:])
 
 
 def _give_keys(arguments: dict[str, Any], state: CallState) -> None:
     arguments["cache"] = _GatheredKeys(state)
+
+
+def _gather_keys(arguments: dict[str, Any], state: CallState) -> None:
+    """A mask indexer's ``key_states`` ``[B, H, S/C, D]`` (this rank's rows) -> ``[B, H, S, D]`` in
+    sequence order."""
+    keys = arguments[KEYS]
+    if keys.shape[2] != state.zig.seq:  # MLA-style keys expanded from a gathered latent are whole already
+        arguments[KEYS] = gather_to(keys.contiguous(), state.group, 2).index_select(2, state.zig.inverse)
 
 
 def _rebound(fn: Callable[..., Any], edit: Callable[[dict[str, Any], CallState], None]) -> Callable[..., Any]:

@@ -66,7 +66,10 @@ class ContextParallelStyle:
             return
         family = type(ctx.root).__qualname__
         config = getattr(module, "config", None)
-        dsa = indexed.is_indexed(module)
+        tree = _forward_tree(module)  # the forward's source, read once per module
+        calls = _attention_calls(tree)
+        keywords = {k.arg for call in calls for k in call.keywords if k.arg is not None}
+        dsa = indexed.is_indexed(module, any(k.endswith("indices") for k in keywords))  # MiniMax-M3: block_indices
         dsa_refused = indexed.unsupported(module, contract.inner.kind) if dsa else None
         refusals = [
             (getattr(module, "compressor", None) is not None, "attends to K/V compressed over the whole sequence "
@@ -75,10 +78,8 @@ class ContextParallelStyle:
             (float(getattr(config, "attention_dropout", 0.0) or 0.0) > 0, "has attention dropout > 0 (set "
              "attention_dropout=0: ranks would draw different masks than one process)"),
         ]
-        tree = _forward_tree(module)  # the forward's source, read once per module
-        calls = _attention_calls(tree)
         reads = positions.local_positions(tree) if tree is not None else None
-        passed = {k.arg for call in calls for k in call.keywords if k.arg is not None} - attention.UNDERSTOOD - _SCALARS
+        passed = keywords - attention.UNDERSTOOD - _SCALARS
         passed -= {"indices"} if dsa else set()  # DSA's top-k: read by the attention function under cp
         own = _own_mask(calls)
         refusals.append((own is not None, f"builds its own attention mask ({own}) rather than passing the model's, "
