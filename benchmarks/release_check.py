@@ -2,7 +2,7 @@
 
 CI runs the suite on torch 2.13.0 (the README's command on transformers 5.25, a second leg on 5.24).
 A newer torch is checked with this script, in a virtualenv that has it (``pip install
-torch==2.14.1``): the tests that depend most on torch's internals run against it, and the table
+torch==2.15.0``, with this checkout on ``PYTHONPATH``): the tests that depend most on torch's internals run against it, and the table
 says which passed. They are the compile tests (binding stays outside dynamo; fullgraph with PEFT),
 the collectives against one process, tensor parallel parity (MoE experts split by expert over tp
 included), DCP checkpoints (torch's distributed checkpoint API), the guard rails, PEFT and hub kernels.
