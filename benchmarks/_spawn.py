@@ -9,13 +9,21 @@ from typing import Any
 
 
 def context() -> Any:
-    """The multiprocessing context ranks start from: a forkserver that imported torch and
-    torch.distributed once (each rank then starts without importing them: ~2 s a rank on 2 CPU
-    cores). transformers is imported in each rank, after hp_lazy's hook is active."""
+    """The multiprocessing context ranks start from: a forkserver that imported torch,
+    torch.distributed and transformers' ``modeling_utils`` once, so each rank starts without importing
+    them (~2 s a rank for torch, ~3.5 s more for transformers, on 2 CPU cores). The modeling modules
+    hp_lazy rewrites are imported in each rank after its hook is active, as in a script that imports
+    transformers first (the test pools start their workers the same way). A memory baseline a rank
+    takes after its imports (``load_memory.py``) is unchanged by what the forkserver preloaded. The
+    scripts call this before building their checkpoint, so the server's imports overlap the build
+    (its ``sys.path`` is the caller's at that call)."""
     import torch.multiprocessing as tmp  # its queues share tensors as the ranks return them
 
     ctx = tmp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed"])
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "transformers.modeling_utils"])
+    from multiprocessing import forkserver
+
+    forkserver.ensure_running()  # it imports them now: a caller that starts it first builds its model meanwhile
     return ctx
 
 

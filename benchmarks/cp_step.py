@@ -258,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     seqs = [int(s) for s in args.seqs.split(",")]
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    _spawn.context()  # the ranks' forkserver imports torch and transformers while the checkpoints are built
     world = args.world * args.tp
     shape = f"cp={args.world}" + (f" x tp={args.tp}" if args.tp > 1 else "")
     lines = [

@@ -212,7 +212,7 @@ def _table(result: dict[str, Any], args: argparse.Namespace) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = _args(argv)
-
+    _spawn.context()  # the ranks' forkserver imports torch and transformers while the checkpoint is built
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -248,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _args(argv)
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    _spawn.context()  # the ranks' forkserver imports torch and transformers while the checkpoint is built
     print(f"world {args.world}; Qwen3-MoE hidden {args.hidden}, {args.layers} layers, {args.experts} experts top-2 "
           f"(size {args.expert_size}), batch {args.batch} x {args.seq}, fp32, {args.steps} steps x {args.repeats} "
           "repeats (medians)\n")

@@ -147,6 +147,7 @@ def _run(variant: str, world: int, path: str, dtype: str) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> None:
     args = _args(argv)
+    _spawn.context()  # the ranks' forkserver imports torch and transformers while the checkpoint is built
     with tempfile.TemporaryDirectory() as root:
         path = _build(args.params, root)
         plain = _run("plain", 1, path, args.dtype)
