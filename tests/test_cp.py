@@ -241,6 +241,7 @@ def test_gradient_checkpointing_recomputes_inside_the_call(ready, reentrant: boo
 
 @pytest.mark.parametrize("name", ["llama_gqa", "qwen3_next", "gpt_oss",  # a Gated DeltaNet hybrid, attention sinks
                                   "deepseek_v32", "llama4",  # DSA's top-k; chunked attention and query temperature
+                                  "kolibri1_1",  # a selection-mask indexer over the batch rows the Trainer feeds
                                   "jamba"])  # Mamba1 layers beside MoE
 def test_stock_trainer_under_cp(ready, tmp_path, name: str) -> None:
     """The stock Trainer (default args: clipping at 1.0, SGD) under cp=2: both ranks read the same
