@@ -150,7 +150,7 @@ def _gather_keys(arguments: dict[str, Any], state: CallState) -> None:
     """A mask indexer's ``key_states`` ``[B, H, S/C, D]`` (this rank's rows) -> ``[B, H, S, D]`` in
     sequence order."""
     keys = arguments[KEYS]
-    if keys.shape[2] != state.zig.seq:  # MLA-style keys expanded from a gathered latent are whole already
+    if keys.shape[2] != state.zig.seq:  # keys already whole (expanded from a latent gathered by .latent) pass
         arguments[KEYS] = gather_to(keys.contiguous(), state.group, 2).index_select(2, state.zig.inverse)
 
 
