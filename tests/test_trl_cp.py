@@ -1,7 +1,8 @@
 """TRL under context parallel (cp=2 at world 2, both ranks passing the same full batch): TRL's fused
 LM head runs on each rank's zigzag rows (hp_lazy's entry splits the fused call and hands TRL
 pre-shifted labels), its per-token outputs come back whole. ``SFTTrainer`` (plain, packing,
-completion-only) and the fused head in a user loop, against one process."""
+completion-only; packing on Kolibri 1.1's sparse attention) and the fused head in a user loop, against
+one process."""
 
 from __future__ import annotations
 
@@ -34,6 +35,18 @@ def test_sft_trainer_under_cp(ready, tmp_path, variant: dict) -> None:
     pool, path = ready
     ref = trlwork.sft(0, 1, path, str(tmp_path / "ref"), **variant)
     got = pool.run(trlwork.sft, path, str(tmp_path / "hp"), **variant)
+    trlwork.compare(got[0], ref)
+    trlwork.compare(got[1], {k: v for k, v in ref.items() if k != "state"})
+
+
+def test_sft_trainer_packing_under_cp_with_a_selection_mask_indexer(ready, tmp_path) -> None:
+    """Kolibri 1.1 (its indexer selects each row's keys over the whole sequence: hp_lazy hands it every
+    rank's keys and the rows' mask) through SFTTrainer with packing: documents restart their positions
+    inside a row, and the selection follows them."""
+    pool, _ = ready
+    path = models.build("kolibri1_1", str(tmp_path / "models"))
+    ref = trlwork.sft(0, 1, path, str(tmp_path / "ref"), packing=True)
+    got = pool.run(trlwork.sft, path, str(tmp_path / "hp"), packing=True)
     trlwork.compare(got[0], ref)
     trlwork.compare(got[1], {k: v for k, v in ref.items() if k != "state"})
 
