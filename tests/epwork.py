@@ -659,7 +659,6 @@ def fsdp_checkpoint_errors(pool, path: str, tmp: str) -> dict[str, float]:
     a plain process loads); returns each resume's worst error against its uninterrupted run."""
     import torch
 
-
     fsdp_ckpt, own_ckpt = f"{tmp}/fsdp", f"{tmp}/own"
     ref, at_save = pool.run(fsdp_train_and_save, path, fsdp_ckpt, True)[0].values()
     own_ref = pool.run(fsdp_train_and_save, path, own_ckpt, False)[0]["full"]

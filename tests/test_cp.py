@@ -74,6 +74,16 @@ def test_collectives_per_layer(ready) -> None:
                        "backward": {"all_gather": layers, "reduce_scatter": layers, "all_reduce": 1}}] * 2
 
 
+def test_kolibri_indexer_keys_are_gathered_once_per_kv_source(ready) -> None:
+    """Kolibri 1.1 (layer 0 sliding, layers 1-3 indexed, layer 2 reading layer 1's K/V): forward
+    all-gathers are each layer's K/V (4) and the indexer keys of layers 1 and 3; layer 2's indexer
+    gets layer 1's gathered keys, not a third gather. Backward: each layer's K/V again and dK/dV."""
+    pool, root = ready
+    counts = pool.run(cpwork.count, models.build("kolibri1_1", root), cpwork.batch("plain"))
+    assert counts == [{"forward": {"all_gather": 6, "all_reduce": 1},
+                       "backward": {"all_gather": 4, "reduce_scatter": 4, "all_reduce": 1}}] * 2
+
+
 def test_backward_keeps_no_gathered_key_or_value(ready) -> None:
     pool, root = ready
     path = models.build("llama_gqa", root)

@@ -148,10 +148,15 @@ def _give_keys(arguments: dict[str, Any], state: CallState) -> None:
 
 def _gather_keys(arguments: dict[str, Any], state: CallState) -> None:
     """A mask indexer's ``key_states`` ``[B, H, S/C, D]`` (this rank's rows) -> ``[B, H, S, D]`` in
-    sequence order."""
+    sequence order; the same tensor as the last indexer's (Kolibri's layers reading an earlier
+    layer's K/V) is not gathered again."""
     keys = arguments[KEYS]
-    if keys.shape[2] != state.zig.seq:  # keys already whole (expanded from a latent gathered by .latent) pass
-        arguments[KEYS] = gather_to(keys.contiguous(), state.group, 2).index_select(2, state.zig.inverse)
+    if keys.shape[2] == state.zig.seq:  # keys already whole (expanded from a latent gathered by .latent)
+        return
+    if state.indexer_keys is None or state.indexer_keys[0] is not keys:
+        gathered = gather_to(keys.contiguous(), state.group, 2).index_select(2, state.zig.inverse)
+        state.indexer_keys = (keys, gathered)
+    arguments[KEYS] = state.indexer_keys[1]
 
 
 def _rebound(fn: Callable[..., Any], edit: Callable[[dict[str, Any], CallState], None]) -> Callable[..., Any]:

@@ -40,6 +40,9 @@ class CallState:
     plans: dict[tuple, tuple[Visibility, Plan]] = field(default_factory=dict)
     rows_mask: torch.Tensor | None = None
     """DSA's ``[B, 1, S/C, S]`` visibility of this rank's rows (:mod:`.indexed`), made once per forward."""
+    indexer_keys: tuple[torch.Tensor, torch.Tensor] | None = None
+    """The last keys a mask indexer had gathered (:mod:`.indexed`) and their gather: a layer reading an
+    earlier layer's K/V hands its indexer the same tensor, gathered once (one such gather kept alive)."""
     model_separates: bool = False
     """Whether this forward's model handed its position ids to transformers' mask code (which then
     separates packed documents): set by :func:`hp_lazy.runtime.cp.attention.observe_masks` before
