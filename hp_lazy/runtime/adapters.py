@@ -216,6 +216,12 @@ def lay_out_parameter_adapters(
         _hook_state_dict(module, made, groups)
 
 
+def _out_in(transposed: bool) -> tuple[int, int]:
+    """The output and input dims of an experts tensor as PEFT reads it: ``[E, out, in]``, or
+    ``[E, in, out]`` when ``transposed``."""
+    return (2, 1) if transposed else (1, 2)
+
+
 def _factor_cuts(
     layout: ParamLayout, rank: int, *, transposed: bool
 ) -> tuple[tuple[AxisShard, ...], tuple[AxisShard, ...]]:
@@ -224,7 +230,7 @@ def _factor_cuts(
     A's rows and B's columns within each of the r blocks; a cut of the output dim, B's rows (its
     packed blocks too); of the input dim, A's columns. The factor left whole holds a partial
     gradient, summed over the axis by the boundary's rule like any whole parameter inside it."""
-    out_dim, in_dim = (2, 1) if transposed else (1, 2)
+    out_dim, in_dim = _out_in(transposed)
     a_cuts: list[AxisShard] = []
     b_cuts: list[AxisShard] = []
     for cut in layout.shards:
@@ -253,7 +259,7 @@ def _refuse_parameter_adapter(
             "both at once (5.24's experts-TP under ep); target the attention and dense MLP modules "
             "(target_modules) instead, or use transformers 5.25, whose plans split these experts by expert"
         )
-    out_dim, in_dim = (2, 1) if transposed else (1, 2)
+    out_dim, in_dim = _out_in(transposed)
     full = layout.full_shape
     wanted_shapes = ((rank * experts, full[in_dim]), (full[out_dim], rank * experts))
     if shapes != wanted_shapes:
