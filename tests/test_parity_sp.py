@@ -8,7 +8,7 @@ from __future__ import annotations
 import models
 import parity
 import pytest
-from dist import DistPool, pool_fixture
+from dist import DistPool, WorkerError, pool_fixture
 
 pool2 = pool_fixture(2, timeout=120)
 pool4 = pool_fixture(4, timeout=180)
@@ -39,3 +39,16 @@ def test_collectives_sequence_parallel(world: int, refs, pool2: DistPool, pool4:
         "all_reduce": 2, "all_gather": 2 * layers + 1, "reduce_scatter": 2 * layers,
     }
     assert all(c == counts[0] for c in counts)
+
+
+def _generate(rank: int, world: int, path: str):
+    return parity._load(path).generate(models.batch()[:1, :8], max_new_tokens=2, do_sample=False)
+
+
+def test_generation_is_refused_naming_the_stack(refs, pool2: DistPool, pool4: DistPool) -> None:
+    """The 8-token prompt splits; the first decoded token, with the KV cache, cannot."""
+    path, _ = refs("llama")
+    with pytest.raises(WorkerError, match=r"model.layers: 1 tokens under sequence parallel do not split into tp=2 "
+                                          r"equal pieces; generation appends one token at a time \(a KV cache is "
+                                          r"passed\), .* generate with a plan without sequence_parallel"):
+        _pool(2, pool2, pool4).run(_generate, path)

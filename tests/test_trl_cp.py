@@ -2,7 +2,7 @@
 LM head runs on each rank's zigzag rows (hp_lazy's entry splits the fused call and hands TRL
 pre-shifted labels), its per-token outputs come back whole. ``SFTTrainer`` (plain, packing,
 completion-only; packing on Kolibri 1.1's sparse attention) and the fused head in a user loop, against
-one process."""
+one process. GRPO, which generates, is refused by name."""
 
 from __future__ import annotations
 
@@ -79,3 +79,12 @@ def test_an_unpadded_length_is_refused_naming_the_collator_option(ready, tmp_pat
                                           r"cuts it into 2\*cp = 4 equal chunks; pad it to a multiple of 4 .* "
                                           r"pad_to_multiple_of=4 does it"):
         pool.run(trlwork.dpo, path, str(tmp_path / "hp"))
+
+
+def test_online_rl_trainers_are_refused(ready, tmp_path) -> None:
+    """GRPO generates with model.generate, which cp cannot split: refused when the trainer is built."""
+    pool, path = ready
+    with pytest.raises(WorkerError, match=r"GRPOTrainer: hp_lazy splits this model's sequence over cp=2, but "
+                                          r"GRPOTrainer generates its completions with model.generate, which appends "
+                                          r"one token at a time .* activate a plan without cp"):
+        pool.run(trlwork.online, path, str(tmp_path / "hp"))

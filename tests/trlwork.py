@@ -180,7 +180,7 @@ def _preferences():
                               "rejected": [" ".join(r[11:]) for r in text]})
 
 
-SKIP_LOGGED = ("learning_rate", "epoch", "step", "num_tokens")
+SKIP_LOGGED = ("learning_rate", "epoch", "step", "num_tokens", "step_time")
 
 
 def dpo(rank: int, world: int, path: str, out: str, pad_to: int | None = None) -> dict[str, Any]:
@@ -205,11 +205,17 @@ def dpo(rank: int, world: int, path: str, out: str, pad_to: int | None = None) -
 def compare_logged(got: dict[str, Any], ref: dict[str, Any], tol: float = 1e-5) -> dict[str, float]:
     """Every logged number and (when given) every parameter. DPO's rewards are beta times a difference
     of log-probabilities (~40 here) and their margins a difference of those: their errors are
-    relative to that scale, not to their own small values."""
+    relative to that scale, not to their own small values. GRPO's KL after a step is near 1e-5 nats
+    (log-probabilities that nearly cancel): its error is taken in nats, on the scale of the logged
+    entropy."""
     assert set(got) - {"state"} == set(ref) - {"state"}, set(got) ^ set(ref)
     errors = {k: models.rel_err(got[k], v) for k, v in ref.items() if k != "state" and not k.startswith("rewards/")}
     scale = 0.1 * float(ref["logps/chosen"].abs().max()) if "logps/chosen" in ref else 1.0
     errors.update({k: float((got[k] - v).abs().max()) / scale for k, v in ref.items() if k.startswith("rewards/")})
+    if float(ref["loss"].abs().max()) < tol:  # zero by construction (RLOO: each group's advantages sum to zero)
+        errors["loss"] = float((got["loss"] - ref["loss"]).abs().max())
+    if "kl" in ref and "entropy" in ref:
+        errors["kl"] = float((got["kl"] - ref["kl"]).abs().max()) / float(ref["entropy"].abs().max())
     if "state" in got:
         errors.update({f"param {n}": models.rel_err(got["state"][n], v) for n, v in ref["state"].items()})
     bad = {k: v for k, v in errors.items() if not v <= tol}
@@ -222,23 +228,63 @@ def _reward(prompts: Any, completions: Any, **kwargs: Any) -> list[float]:
     return [float(len(set(str(c).split()))) for c in completions]
 
 
-def grpo(rank: int, world: int, path: str, out: str) -> dict[str, Any]:
-    """``GRPOTrainer`` with ``model.generate`` (sampling, the same seed on every rank) and a rule
-    reward, 2 steps: every logged number, rank 0 the parameters."""
+def _prompts():
     from datasets import Dataset
-    from trl import GRPOConfig, GRPOTrainer
+
+    ids = models.batch(seed=7, batch_size=8, seq=6).tolist()
+    return Dataset.from_dict({"prompt": [" ".join(f"t{i}" for i in row) for row in ids]})
+
+
+def online(rank: int, world: int, path: str, out: str, trainer: str = "GRPO", num_generations: int = 2,
+           use_vllm: bool = False, lora: dict[str, Any] | None = None, accumulation: int = 1,
+           aux_coef: float | None = None) -> dict[str, Any]:
+    """``GRPOTrainer`` or ``RLOOTrainer`` (``trainer``) with ``model.generate`` (sampling, seeded by
+    accelerate per process) and a rule reward, 2 steps of a global batch of 4 completions per
+    accumulation step: every logged number but the step time, rank 0 the parameters. A plain
+    multi-process run (no plan) is data parallel over every rank. ``lora``: a ``LoraConfig``'s
+    arguments, handed to TRL as ``peft_config`` (the reference model is the base, adapters off).
+    ``aux_coef``: ``router_aux_loss_coef`` (None: the model config's)."""
+    import torch
+    import torch.distributed as dist
+    import trl
+    from peft import LoraConfig
 
     import hp_lazy
     from hp_lazy.api import active_plan
 
     model = trainwork.parity._load(path)
-    dp = hp_lazy.mesh().group("dp").size if active_plan() is not None else 1
-    ids = models.batch(seed=7, batch_size=8, seq=6).tolist()
-    prompts = Dataset.from_dict({"prompt": [" ".join(f"t{i}" for i in row) for row in ids]})
-    args = GRPOConfig(
-        output_dir=out, per_device_train_batch_size=trainwork.GLOBAL_BATCH // dp, num_generations=2,
+    dp = hp_lazy.mesh().group("dp").size if active_plan() is not None else (dist.get_world_size()
+                                                                            if dist.is_initialized() else 1)
+    args = getattr(trl, f"{trainer}Config")(
+        output_dir=out, per_device_train_batch_size=trainwork.GLOBAL_BATCH // dp, num_generations=num_generations,
         max_completion_length=6, max_steps=2, logging_steps=1, report_to=[], optim="sgd", learning_rate=0.1,
         weight_decay=0.01, save_strategy="no", use_cpu=True, disable_tqdm=True, bf16=False, seed=0, beta=0.1,
+        use_vllm=use_vllm, gradient_accumulation_steps=accumulation, router_aux_loss_coef=aux_coef,
     )
-    run = GRPOTrainer(model=model, reward_funcs=_reward, args=args, train_dataset=prompts, processing_class=tokenizer())
+    torch.manual_seed(7)  # the adapters' init, if any: the same draws in every process
+    run = getattr(trl, f"{trainer}Trainer")(model=model, reward_funcs=_reward, args=args, train_dataset=_prompts(),
+                                            processing_class=tokenizer(), peft_config=lora and LoraConfig(**lora))
     return _trained(rank, run, model)
+
+
+def online_stock_gathers(rank: int, world: int, path: str, out: str, trainer: str, num_generations: int) -> Any:
+    """Negative control: :func:`online` with the trainer's gathers and accelerator over every rank
+    (hp_lazy's seed and batch sizing kept, so nothing is refused): each dp rank's completions are
+    gathered tp times."""
+    import importlib
+
+    import accelerate.utils
+
+    module = importlib.import_module(f"trl.trainer.{trainer.lower()}_trainer")
+    cls = getattr(module, f"{trainer}Trainer")
+    viewed = {n: f for n, f in vars(cls).items() if hasattr(f, "__wrapped__") and n != "__init__"}
+    gathers = module.gather, module.gather_object
+    module.gather, module.gather_object = accelerate.utils.gather, accelerate.utils.gather_object
+    for name, fn in viewed.items():
+        setattr(cls, name, fn.__wrapped__)
+    try:
+        return online(rank, world, path, out, trainer, num_generations)
+    finally:
+        module.gather, module.gather_object = gathers
+        for name, fn in viewed.items():
+            setattr(cls, name, fn)

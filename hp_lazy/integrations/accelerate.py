@@ -47,7 +47,7 @@ from hp_lazy.names import PATCHED
 from hp_lazy.runtime import clip, registry
 from hp_lazy.runtime.grads import no_sync as hp_no_sync
 from hp_lazy.runtime.grads import owner_of
-from hp_lazy.runtime.mesh import get_mesh
+from hp_lazy.runtime.mesh import Group, get_mesh
 from hp_lazy.runtime.owner import parallelize
 
 Degrees = Callable[[], "Mapping[str, int] | None"]
@@ -215,12 +215,18 @@ def sharing_degrees(active: Mapping[str, int] | None) -> Mapping[str, int] | Non
 
 def _data_ranks(active: Mapping[str, int] | None, accelerate_mesh: Any) -> tuple[int, int] | None:
     """``(dp size, dp rank)`` when some ranks share a batch (tp or cp > 1); ``None`` otherwise."""
+    dp = data_group(active) if accelerate_mesh is None else None
+    return None if dp is None else (dp.size, dp.rank)
+
+
+def data_group(active: Mapping[str, int] | None) -> Group | None:
+    """This rank's dp group when some ranks share a batch (tp or cp > 1); ``None`` otherwise."""
     degrees = sharing_degrees(active)
-    if degrees is None or accelerate_mesh is not None:
+    if degrees is None:
         return None
     mesh = get_mesh(dict(degrees))
     dp = mesh.group("dp")
-    return None if dp.size == mesh.world else (dp.size, dp.rank)
+    return None if dp.size == mesh.world else dp
 
 
 def _refuse_unshardable(dataloader: Any, kwargs: Mapping[str, Any]) -> None:

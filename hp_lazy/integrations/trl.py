@@ -23,10 +23,10 @@ already); the forward it installs is marked for :mod:`hp_lazy.runtime.guard` and
   MoE family) to the model module's global one (:mod:`hp_lazy.runtime.ep.aux`) for the call: on
   one rank's rows it is not one process's aux loss.
 
-``GRPOTrainer`` and ``RLOOTrainer`` keep the advantages of ``process_index``'s slice of the
-gathered completions, as if every rank were data parallel: :func:`install_online` refuses them
-where ranks share a batch. Everything else TRL does (its data collation, ``gather_for_metrics``,
-``get_tp_size``) already goes through hp_lazy's accelerate and Trainer integrations.
+``GRPOTrainer`` and ``RLOOTrainer`` take every process for a data-parallel one:
+:mod:`hp_lazy.integrations.trl_online` gives them the dp ranks as their processes. Everything else
+TRL does (its data collation, ``gather_for_metrics``, ``get_tp_size``) already goes through
+hp_lazy's accelerate and Trainer integrations.
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
-from hp_lazy.errors import ShardingError
 from hp_lazy.names import PATCHED, ROUTED
 
 ADD = "add_fused_lm_head"
@@ -62,39 +61,6 @@ def install(module: ModuleType) -> None:
     for name, imported in list(sys.modules.items()):  # trainers imported before activate hold the stock one
         if name.startswith("trl.") and getattr(imported, ADD, None) is add:
             setattr(imported, ADD, routed)
-
-
-RL_TRAINERS = {"trl.trainer.grpo_trainer": "GRPOTrainer", "trl.trainer.rloo_trainer": "RLOOTrainer"}
-"""TRL's online trainers that slice the generated batch by accelerate's process index."""
-
-
-def install_online(module: ModuleType, degrees: Callable[[], Any]) -> None:
-    """Refuse ``module``'s online RL trainer (GRPO, RLOO) on a model whose ranks share a batch
-    (tp or cp > 1): it gathers every process's completions and keeps the advantages of
-    ``process_index``'s slice, as if every rank were data parallel, so the ranks of one tp group
-    would train on different advantages, silently."""
-    cls = getattr(module, RL_TRAINERS.get(module.__name__, ""), None)
-    if cls is None or cls.__dict__.get(PATCHED, False):  # its own mark, not the Trainer's it inherits
-        return
-    stock = cls.__init__
-
-    @functools.wraps(stock)
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        stock(self, *args, **kwargs)
-        from hp_lazy.integrations.accelerate import lowered, sharing_degrees
-
-        shared = {a: n for a, n in (sharing_degrees(degrees()) or {}).items() if a in ("tp", "cp") and n > 1}
-        if shared and lowered(self.model):
-            raise ShardingError(
-                f"{cls.__name__}: hp_lazy shards this model over {shared}, so several ranks share each batch, but "
-                f"{cls.__name__} slices the generated completions' advantages by accelerate's process_index, as if "
-                "every rank were data parallel: the ranks of one group would train on different advantages; run "
-                "it data parallel (hp_lazy.activate with ep only, or without hp_lazy), or use SFTTrainer / "
-                "DPOTrainer, which hp_lazy runs exactly under tp and cp"
-            )
-
-    cls.__init__ = __init__
-    setattr(cls, PATCHED, True)
 
 
 AUX = "load_balancing_loss_func"

@@ -48,6 +48,7 @@ def _stack_entry(binding: Binding, stack: nn.ModuleList) -> Callable[..., tuple[
         key = None if args else "hidden_states" if "hidden_states" in kwargs else next(iter(kwargs))
         x = args[0] if key is None else kwargs[key]
         stacked = _stacked(binding, stack, x, module, args, kwargs, 1)
+        _check_divisible(binding, x, 1 if stacked is None else stacked, kwargs)
         x = binding.enter(name, x) if stacked is None else pairs.scatter_to(x, binding.groups["tp"], stacked)
         if isinstance(x, torch.Tensor) and x.dim() >= 3:  # tokens this rank holds: batch x its piece
             seq = 1 if stacked is None else stacked
@@ -59,6 +60,19 @@ def _stack_entry(binding: Binding, stack: nn.ModuleList) -> Callable[..., tuple[
         return args, kwargs
 
     return hook
+
+
+def _check_divisible(binding: Binding, x: Any, seq: int, kwargs: dict) -> None:
+    """Refuse, naming the stack, a sequence the tp ranks cannot split into equal pieces."""
+    tp = binding.groups["tp"].size
+    if not isinstance(x, torch.Tensor) or x.dim() < 3 or x.shape[seq] % tp == 0:
+        return
+    cached = kwargs.get("past_key_values") is not None or kwargs.get("use_cache") is True
+    fix = ("generation appends one token at a time (a KV cache is passed), which sequence parallel cannot split; "
+           "generate with a plan without sequence_parallel" if cached else
+           f"pad the batch to a multiple of {tp} tokens (e.g. the collator's pad_to_multiple_of={tp})")
+    raise ShardingError(f"{binding.fqn}: {x.shape[seq]} tokens under sequence parallel do not split into tp={tp} "
+                        f"equal pieces; {fix}")
 
 
 def _stack_exit(binding: Binding, stack: nn.ModuleList) -> Callable[..., Any]:

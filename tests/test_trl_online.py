@@ -1,0 +1,125 @@
+"""TRL's online RL trainers (``GRPOTrainer``, ``RLOOTrainer``) under tp, run as their users run them
+(``model.generate`` sampling, seeded by accelerate per process; a rule reward; TRL's reference model
+for the KL term), 2 steps: every logged number and every parameter.
+
+- tp=2 (world 2, dp=1) against one process;
+- dp=2 x tp=2 (world 4) against a plain data-parallel run of 2 processes, with groups of 4
+  completions that span the two dp ranks (rewards normalised over the gathered group);
+- ep=2 (world 2: each rank its own rows, nothing shared) against the same plain run, on Qwen3-MoE
+  with the aux loss off (hp_lazy's aux loss is the global batch's, a plain run's each rank's own);
+- LoRA (TRL's ``peft_config``; the reference model is the base with adapters off) and gradient
+  accumulation at tp=2, against one process;
+- negative control: the trainer's gathers over every rank (each dp rank's completions tp times)
+  are silently wrong;
+- refused by name: a config sized before ``activate``, vLLM generation. Context parallel is
+  refused in ``test_trl_cp.py``.
+"""
+
+from __future__ import annotations
+
+import models
+import parity
+import pytest
+import trlwork
+from dist import DistPool, WorkerError, pool_fixture
+
+pytest.importorskip("trl")
+
+pool2 = pool_fixture(2, timeout=240)
+pool4 = pool_fixture(4, timeout=300)
+plain2 = pool_fixture(2, timeout=240)
+ep2 = pool_fixture(2, timeout=240)
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory) -> str:
+    return models.build("llama", str(tmp_path_factory.mktemp("models")))
+
+
+@pytest.fixture(scope="module")
+def dp_reference(plain2: DistPool, model_path: str, tmp_path_factory) -> dict[str, dict]:
+    """Each trainer's plain run at dp=2 (no hp_lazy), groups of 4 completions over both ranks."""
+    out = str(tmp_path_factory.mktemp("plain"))
+    refs = {t: plain2.run(trlwork.online, model_path, f"{out}/{t}", t, 4)[0] for t in ("GRPO", "RLOO")}
+    plain2.close()
+    return refs
+
+
+@pytest.mark.parametrize("trainer", ["GRPO", "RLOO"])
+def test_tp2_matches_one_process(trainer: str, pool2: DistPool, model_path: str, tmp_path) -> None:
+    pool = parity.activated(pool2, tp=2)
+    ref = trlwork.online(0, 1, model_path, str(tmp_path / "ref"), trainer)
+    assert float(ref["grad_norm"][0]) > 0 and float(ref["kl"][1]) != 0  # it trained, and its KL moved
+    got = pool.run(trlwork.online, model_path, str(tmp_path / "hp"), trainer)
+    trlwork.compare_logged(got[0], ref)
+    trlwork.compare_logged(got[1], {k: v for k, v in ref.items() if k != "state"})
+
+
+@pytest.mark.parametrize("variant", [{"lora": {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}},
+                                     {"accumulation": 2}], ids=["lora", "accumulation"])
+def test_tp2_lora_and_accumulation(variant: dict, pool2: DistPool, model_path: str, tmp_path) -> None:
+    pool = parity.activated(pool2, tp=2)
+    ref = trlwork.online(0, 1, model_path, str(tmp_path / "ref"), **variant)
+    trlwork.compare_logged(pool.run(trlwork.online, model_path, str(tmp_path / "hp"), **variant)[0], ref)
+
+
+def _activate_ep(rank: int, world: int) -> None:
+    import hp_lazy
+
+    hp_lazy.activate(hp_lazy.Plan.auto(tp=1, ep=2))
+
+
+def test_ep2_matches_a_data_parallel_run(ep2: DistPool, plain2: DistPool, tmp_path) -> None:
+    path = models.build("qwen3_moe", str(tmp_path / "models"))
+    ref = plain2.run(trlwork.online, path, str(tmp_path / "ref"), "GRPO", 4, aux_coef=0.0)[0]
+    plain2.close()
+    got = parity.once(ep2, _activate_ep).run(trlwork.online, path, str(tmp_path / "hp"), "GRPO", 4, aux_coef=0.0)
+    trlwork.compare_logged(got[0], ref)
+
+
+@pytest.mark.parametrize("trainer", ["GRPO", "RLOO"])
+def test_dp_by_tp_matches_a_data_parallel_run(trainer: str, pool4: DistPool, dp_reference, model_path: str,
+                                              tmp_path) -> None:
+    pool = parity.activated(pool4, tp=2)
+    ref = dp_reference[trainer]
+    assert 0 < float(ref["frac_reward_zero_std"][0]) < 1 or float(ref["reward_std"][0]) > 0  # groups differ
+    got = pool.run(trlwork.online, model_path, str(tmp_path / "hp"), trainer, 4)
+    trlwork.compare_logged(got[0], ref)
+    for other in got[1:]:
+        trlwork.compare_logged(other, {k: v for k, v in ref.items() if k != "state"})
+
+
+def test_gathers_over_every_rank_are_wrong(pool4: DistPool, dp_reference, model_path: str, tmp_path) -> None:
+    """Negative control: each group of 4 is normalised over one dp rank's 2 completions and their
+    tp copy, and the loss over tp times the token count."""
+    pool = parity.activated(pool4, tp=2)
+    got = pool.run(trlwork.online_stock_gathers, model_path, str(tmp_path / "hp"), "GRPO", 4)
+    with pytest.raises(AssertionError, match=r"relative errors above 1e-05: .*'grad_norm': 0\.[1-9]"):
+        trlwork.compare_logged(got[0], dp_reference["GRPO"])
+
+
+def _config_then_activate(rank: int, world: int, path: str, out: str) -> None:
+    import trl
+
+    import hp_lazy
+
+    args = trl.GRPOConfig(output_dir=out, per_device_train_batch_size=2, num_generations=2, report_to=[],
+                          use_cpu=True, max_steps=1)
+    hp_lazy.activate(hp_lazy.Plan.auto(tp=2))
+    trl.GRPOTrainer(model=trlwork.trainwork.parity._load(path), reward_funcs=trlwork._reward, args=args,
+                    train_dataset=trlwork._prompts(), processing_class=trlwork.tokenizer())
+
+
+def test_a_config_sized_before_activate_is_refused(pool2: DistPool, model_path: str, tmp_path) -> None:
+    pool2.close()  # fresh workers: the config first, then activate
+    with pytest.raises(WorkerError, match=r"GRPOTrainer: generation_batch_size=4 was sized for 2 processes, but the 1 "
+                                          r"dp rank\(s\) of hp_lazy's plan \{'tp': 2\} feed this model .* build the "
+                                          r"GRPOConfig after hp_lazy.activate"):
+        pool2.run(_config_then_activate, model_path, str(tmp_path / "hp"))
+
+
+def test_vllm_generation_is_refused(pool2: DistPool, model_path: str, tmp_path) -> None:
+    pool = parity.activated(pool2, tp=2)
+    with pytest.raises(WorkerError, match=r"GRPOTrainer: use_vllm=True sends this model's parameters to vLLM, and "
+                                          r"under hp_lazy's \{'tp': 2\} each rank holds only its shards"):
+        pool.run(trlwork.online, model_path, str(tmp_path / "hp"), "GRPO", use_vllm=True)
