@@ -11,6 +11,7 @@ for the KL term), 2 steps: every logged number and every parameter.
   accumulation at tp=2, against one process;
 - negative control: the trainer's gathers over every rank (each dp rank's completions tp times)
   are silently wrong;
+- the trainer's gathers and its accelerator's answers while viewed: the dp group's rows only;
 - refused by name: a config sized before ``activate``, vLLM generation. Context parallel is
   refused in ``test_trl_cp.py``.
 """
@@ -96,6 +97,36 @@ def test_gathers_over_every_rank_are_wrong(pool4: DistPool, dp_reference, model_
     got = pool.run(trlwork.online_stock_gathers, model_path, str(tmp_path / "hp"), "GRPO", 4)
     with pytest.raises(AssertionError, match=r"relative errors above 1e-05: .*'grad_norm': 0\.[1-9]"):
         trlwork.compare_logged(got[0], dp_reference["GRPO"])
+
+
+def _gathers(rank: int, world: int) -> tuple:
+    import torch
+    import trl.trainer.grpo_trainer as grpo
+    from accelerate import Accelerator
+
+    import hp_lazy
+    from hp_lazy.integrations import trl_online
+
+    mine = torch.full((3,), float(rank))
+    accelerator = Accelerator(cpu=True)
+    with trl_online._viewed(accelerator, hp_lazy.mesh().group("dp")):
+        viewed = accelerator.gather(mine), accelerator.reduce(mine), accelerator.process_index, accelerator.num_processes
+    assert not isinstance(accelerator, trl_online.DataParallelView)  # its own class again
+    return (grpo.gather(mine), grpo.gather_object([rank]), *viewed)
+
+
+def test_the_trainers_gathers_span_the_dp_group_only(pool4: DistPool) -> None:
+    """At dp=2 x tp=2 (ranks 2d + t), rank r's dp group is {r % 2, r % 2 + 2}: the trainer's gathers
+    receive those 2 ranks' rows (a gather over the world would receive 4), its reduce sums them."""
+    import torch
+
+    got = parity.activated(pool4, tp=2).run(_gathers)
+    for rank, (gathered, objects, viewed, reduced, index, processes) in enumerate(got):
+        peers = [rank % 2, rank % 2 + 2]
+        expected = torch.tensor([float(p) for p in peers for _ in range(3)])
+        assert torch.equal(gathered, expected) and torch.equal(viewed, expected), (rank, gathered, viewed)
+        assert objects == peers and torch.equal(reduced, torch.full((3,), float(sum(peers))))
+        assert (index, processes) == (rank // 2, 2)
 
 
 def _config_then_activate(rank: int, world: int, path: str, out: str) -> None:
