@@ -91,7 +91,7 @@ def activate(
     when_imported("transformers.trainer", _integrate_trainer)
     when_imported("trl.trainer.utils", _integrate_trl)
     for name in ("trl.trainer.grpo_config", "trl.trainer.rloo_config", "trl.trainer.grpo_trainer",
-                 "trl.trainer.rloo_trainer"):  # trl_online.CONFIGS and TRAINERS, named without importing torch
+                 "trl.trainer.rloo_trainer", "trl.trainer.distillation_trainer"):  # trl_online.CONFIGS, TRAINERS
         when_imported(name, _integrate_trl_online)
     when_imported("transformers.modeling_utils", _integrate_modeling)
     handle = install(resolved, cache=cache, lower=_lower, bind=_register, runtime=_runtime)

@@ -100,3 +100,42 @@ def test_binding_a_submodule_then_the_model_is_refused(pool4: DistPool, refs) ->
     with pytest.raises(WorkerError, match=r"LlamaForCausalLM: its submodule 'model' was bound by an earlier "
                                           r"hp_lazy.parallelize call"):
         pool4.run(_bind_inner_then_outer, path)
+
+
+class _NoWeightGrad(torch.autograd.Function):
+    """``hidden * 1`` with ``weight`` an input whose gradient it leaves undefined (``None``), as TRL's
+    fused kernels do for a teacher's head."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight):
+        return hidden.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def _undefined_grad(rank: int, world: int, path: str, ids) -> dict:
+    import hp_lazy
+
+    model = parity._load(path)
+    if world > 1:
+        hp_lazy.parallelize(model)  # the backbone runs first: bind the whole model
+    rows = ids.shape[0] // world  # this rank's rows (all of them in one process)
+    hidden = model.model(input_ids=ids[rank * rows : (rank + 1) * rows]).last_hidden_state
+    _NoWeightGrad.apply(hidden, model.lm_head.weight).square().mean().backward()
+    grads = hp_lazy.full_grads(model) if world > 1 else {n: p.grad for n, p in model.named_parameters()}
+    return {n: g for n, g in grads.items() if g is not None}
+
+
+def test_a_gradient_left_undefined_by_an_autograd_function(pool4: DistPool, refs) -> None:
+    """lm_head.weight reaches the backward only through a Function that leaves its gradient
+    undefined: it has none, as in one process, and every other gradient is one process's (hp_lazy's
+    bucket asserted on the parameter's missing .grad before)."""
+    path, _ = refs("llama")
+    ids = dpwork.global_batch(4)
+    ref = _undefined_grad(0, 1, path, ids)
+    got = parity.activated(pool4, tp=1).run(_undefined_grad, path, ids)[0]
+    assert "lm_head.weight" not in ref and set(got) == set(ref), set(got) ^ set(ref)
+    errors = {n: models.rel_err(got[n], g) for n, g in ref.items()}
+    assert len(errors) > 10 and max(errors.values()) <= parity.TOL, sorted(errors.items(), key=lambda e: -e[1])[:2]

@@ -1,6 +1,7 @@
-"""TRL's online RL trainers (``GRPOTrainer``, ``RLOOTrainer``) under tp, run as their users run them
-(``model.generate`` sampling, seeded by accelerate per process; a rule reward; TRL's reference model
-for the KL term), 2 steps: every logged number and every parameter.
+"""TRL's generating trainers (``GRPOTrainer``, ``RLOOTrainer``, ``DistillationTrainer``) under tp, run
+as their users run them (``model.generate`` sampling, seeded by accelerate per process; a rule reward;
+TRL's reference model for the KL term; a teacher for distillation), 2 steps: every logged number and
+every parameter.
 
 - tp=2 (world 2, dp=1) against one process;
 - dp=2 x tp=2 (world 4) against a plain data-parallel run of 2 processes, with groups of 4
@@ -9,6 +10,10 @@ for the KL term), 2 steps: every logged number and every parameter.
   with the aux loss off (hp_lazy's aux loss is the global batch's, a plain run's each rank's own);
 - LoRA (TRL's ``peft_config``; the reference model is the base with adapters off) and gradient
   accumulation at tp=2, against one process;
+- distillation: TRL's fused student/teacher heads on vocab shards through hp_lazy's vocab-parallel
+  divergence (forward KL, reverse KL, JSD with temperature; scales and softcaps in a user loop; the
+  bytes it moves), at tp=2 against one process and at dp=2 x tp=2 against a plain run; negative
+  control: TRL's kernel on the shards;
 - negative control: the trainer's gathers over every rank (each dp rank's completions tp times)
   are silently wrong;
 - the trainer's gathers and its accelerator's answers while viewed: the dp group's rows only;
@@ -17,6 +22,8 @@ for the KL term), 2 steps: every logged number and every parameter.
 """
 
 from __future__ import annotations
+
+import math
 
 import models
 import parity
@@ -62,6 +69,73 @@ def test_tp2_lora_and_accumulation(variant: dict, pool2: DistPool, model_path: s
     pool = parity.activated(pool2, tp=2)
     ref = trlwork.online(0, 1, model_path, str(tmp_path / "ref"), **variant)
     trlwork.compare_logged(pool.run(trlwork.online, model_path, str(tmp_path / "hp"), **variant)[0], ref)
+
+
+@pytest.fixture(scope="module")
+def teacher_path(tmp_path_factory) -> str:
+    return models.build("llama", str(tmp_path_factory.mktemp("teacher")), seed=5)
+
+
+@pytest.mark.parametrize("config", [{"beta": 0.0}, {"beta": 1.0}, {"beta": 0.5, "temperature": 0.7}],
+                         ids=["forward-kl", "reverse-kl", "jsd-temperature"])
+def test_distillation_trainer_at_tp2(config: dict, pool2: DistPool, model_path: str, teacher_path: str,
+                                     tmp_path) -> None:
+    """The student generates and matches the teacher through TRL's fused heads: with both heads cut
+    over the vocabulary, hp_lazy's vocab-parallel divergence."""
+    pool = parity.activated(pool2, tp=2)
+    ref = trlwork.distill(0, 1, model_path, teacher_path, str(tmp_path / "ref"), **config)
+    got = pool.run(trlwork.distill, model_path, teacher_path, str(tmp_path / "hp"), **config)
+    trlwork.compare_logged(got[0], ref)
+    trlwork.compare_logged(got[1], {k: v for k, v in ref.items() if k != "state"})
+
+
+def test_distillation_trainer_at_dp2_tp2(pool4: DistPool, plain2: DistPool, model_path: str, teacher_path: str,
+                                        tmp_path) -> None:
+    """Against a plain 2-process run; the loss (a KL near 0.01 nats) in nats, as its fp32 round-off
+    is ~1e-4 of itself (TRL's kernel against float64)."""
+    ref = plain2.run(trlwork.distill, model_path, teacher_path, str(tmp_path / "ref"))[0]
+    plain2.close()
+    got = parity.activated(pool4, tp=2).run(trlwork.distill, model_path, teacher_path, str(tmp_path / "hp"))
+    trlwork.compare_logged(got[0], ref, nats=("loss",))
+
+
+def test_distillation_with_trls_kernel_on_the_shards_is_wrong(pool2: DistPool, model_path: str, teacher_path: str,
+                                                               tmp_path) -> None:
+    """Negative control: a softmax over half the vocabulary (entropy near ln(V/2))."""
+    pool = parity.activated(pool2, tp=2)
+    ref = trlwork.distill(0, 1, model_path, teacher_path, str(tmp_path / "ref"))
+    got = pool.run(trlwork.distill_stock_kernel, model_path, teacher_path, str(tmp_path / "hp"))
+    assert abs(float(got[0]["entropy"][0]) - math.log(models.VOCAB / 2)) < 0.1, got[0]["entropy"]
+    with pytest.raises(AssertionError, match=r"relative errors above 1e-05: .*'entropy': 0\.1"):
+        trlwork.compare_logged(got[0], ref)
+
+
+@pytest.mark.parametrize("knobs", [
+    {"beta": 0.5},
+    {"beta": 0.3, "temperature": 0.7, "student_final_logit_softcapping": 3.0, "student_logit_scale": 1.5,
+     "teacher_final_logit_softcapping": 2.0, "teacher_logit_scale": 0.5},
+], ids=["jsd", "jsd-scaled-softcapped"])
+def test_distillation_loss_user_loop(knobs: dict, pool2: DistPool, model_path: str, teacher_path: str) -> None:
+    """TRL's distillation loss called by hand on both models' hidden states: loss, entropy and every
+    student gradient."""
+    ids = models.batch()
+    ref = trlwork.divergence_loop(0, 1, model_path, teacher_path, ids, **knobs)
+    got = parity.activated(pool2, tp=2).run(trlwork.divergence_loop, model_path, teacher_path, ids, **knobs)
+    for rank in got:
+        assert models.rel_err(rank["loss"], ref["loss"]) <= parity.TOL
+        assert models.rel_err(rank["entropy"], ref["entropy"]) <= parity.TOL
+    errors = {n: models.rel_err(got[0]["grads"][n], g) for n, g in ref["grads"].items()}
+    assert max(errors.values()) <= parity.TOL, sorted(errors.items(), key=lambda e: -e[1])[:3]
+
+
+def test_distillation_loss_bytes(pool2: DistPool, model_path: str, teacher_path: str) -> None:
+    """The fused heads add all-reduces of [2, N], [3, N] and [2, N] fp32 in forward and one of [N, H]
+    (the student hidden gradient) in backward: no weight moves."""
+    ids = models.batch()  # [2, 16]: N = 32 positions
+    n, hidden = ids.numel(), 32
+    got = parity.activated(pool2, tp=2).run(trlwork.divergence_loop, model_path, teacher_path, ids, 0.5, True)
+    for payload in got:
+        assert payload == {("all_reduce", "forward"): 7 * n * 4, ("all_reduce", "backward"): n * hidden * 4}, payload
 
 
 def _activate_ep(rank: int, world: int) -> None:

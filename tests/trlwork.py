@@ -202,20 +202,22 @@ def dpo(rank: int, world: int, path: str, out: str, pad_to: int | None = None) -
     return _trained(rank, run, model)
 
 
-def compare_logged(got: dict[str, Any], ref: dict[str, Any], tol: float = 1e-5) -> dict[str, float]:
+def compare_logged(got: dict[str, Any], ref: dict[str, Any], tol: float = 1e-5,
+                   nats: tuple[str, ...] = ("kl",)) -> dict[str, float]:
     """Every logged number and (when given) every parameter. DPO's rewards are beta times a difference
     of log-probabilities (~40 here) and their margins a difference of those: their errors are
-    relative to that scale, not to their own small values. GRPO's KL after a step is near 1e-5 nats
-    (log-probabilities that nearly cancel): its error is taken in nats, on the scale of the logged
-    entropy."""
+    relative to that scale, not to their own small values. The divergences in ``nats`` (GRPO's KL
+    after a step, near 1e-5 nats; a distillation loss) are sums of log-probability differences that
+    nearly cancel, so fp32 puts ~1e-4 relative error on them in one process (TRL's own kernel against
+    float64): their errors are taken in nats, on the scale of the logged entropy."""
     assert set(got) - {"state"} == set(ref) - {"state"}, set(got) ^ set(ref)
     errors = {k: models.rel_err(got[k], v) for k, v in ref.items() if k != "state" and not k.startswith("rewards/")}
     scale = 0.1 * float(ref["logps/chosen"].abs().max()) if "logps/chosen" in ref else 1.0
     errors.update({k: float((got[k] - v).abs().max()) / scale for k, v in ref.items() if k.startswith("rewards/")})
     if float(ref["loss"].abs().max()) < tol:  # zero by construction (RLOO: each group's advantages sum to zero)
         errors["loss"] = float((got["loss"] - ref["loss"]).abs().max())
-    if "kl" in ref and "entropy" in ref:
-        errors["kl"] = float((got["kl"] - ref["kl"]).abs().max()) / float(ref["entropy"].abs().max())
+    for name in (n for n in nats if n in ref and "entropy" in ref):
+        errors[name] = float((got[name] - ref[name]).abs().max()) / float(ref["entropy"].abs().max())
     if "state" in got:
         errors.update({f"param {n}": models.rel_err(got["state"][n], v) for n, v in ref["state"].items()})
     bad = {k: v for k, v in errors.items() if not v <= tol}
@@ -288,3 +290,74 @@ def online_stock_gathers(rank: int, world: int, path: str, out: str, trainer: st
         module.gather, module.gather_object = gathers
         for name, fn in viewed.items():
             setattr(cls, name, fn)
+
+
+def distill(rank: int, world: int, path: str, teacher: str, out: str, **config: Any) -> dict[str, Any]:
+    """``DistillationTrainer``: the student generates (sampling, seeded per process) and matches a
+    teacher's next-token distributions, 2 steps of a global batch of 4 prompts: every logged number
+    but the step time, rank 0 the parameters. ``config``: more ``DistillationConfig`` fields
+    (``beta``, ``temperature``)."""
+    import torch.distributed as dist
+    import trl
+
+    import hp_lazy
+    from hp_lazy.api import active_plan
+
+    dp = hp_lazy.mesh().group("dp").size if active_plan() is not None else (dist.get_world_size()
+                                                                            if dist.is_initialized() else 1)
+    args = trl.DistillationConfig(
+        output_dir=out, per_device_train_batch_size=trainwork.GLOBAL_BATCH // dp, max_completion_length=6,
+        max_steps=2, logging_steps=1, report_to=[], optim="sgd", learning_rate=0.1, weight_decay=0.01,
+        save_strategy="no", use_cpu=True, disable_tqdm=True, bf16=False, seed=0, **config,
+    )
+    model = trainwork.parity._load(path)
+    run = trl.DistillationTrainer(model=model, teacher_model=trainwork.parity._load(teacher), args=args,
+                                  train_dataset=_prompts(), processing_class=tokenizer())
+    return _trained(rank, run, model)
+
+
+def divergence_loop(rank: int, world: int, path: str, teacher: str, ids, beta: float, count: bool = False,
+                    **knobs: Any) -> dict[str, Any]:
+    """A user loop on TRL's distillation loss (``_chunked_divergence_loss``, TRL's fused student and
+    teacher heads) over both models' last hidden states, then backward; the loss, the entropy sum
+    and, on rank 0, every full gradient of the student. ``knobs``: the loss's temperature, logit
+    scales and softcaps. ``count``: instead, the collectives and their payload of the loss and its
+    backward alone (the hidden states made leaves)."""
+    import torch
+    from trl.trainer.distillation_trainer import _chunked_divergence_loss
+
+    import hp_lazy
+    from hp_lazy.api import active_plan
+
+    student, reference = trainwork.parity._load(path), trainwork.parity._load(teacher)
+    hidden = student.model(input_ids=ids).last_hidden_state
+    with torch.no_grad():
+        teacher_hidden = reference.model(input_ids=ids).last_hidden_state
+    mask = torch.ones(ids.shape, dtype=torch.long)
+    mask[0, :3] = 0  # prompt positions: out of the loss
+
+    def loss_of(h: Any) -> Any:
+        return _chunked_divergence_loss(h, teacher_hidden, student.lm_head.weight, reference.lm_head.weight, mask,
+                                        beta, **knobs)
+
+    if count:
+        with hp_lazy.collective_counter() as counter:
+            loss_of(hidden.detach().requires_grad_())[0].backward()
+        return dict(counter.payload)
+    loss, entropy_sum, _ = loss_of(hidden)
+    loss.backward()
+    grads = ({n: p.grad.detach().clone() for n, p in student.named_parameters()} if active_plan() is None
+             else hp_lazy.full_grads(student))  # gathered by every rank
+    return {"loss": loss.detach(), "entropy": entropy_sum, **({"grads": grads} if rank == 0 else {})}
+
+
+def distill_stock_kernel(rank: int, world: int, path: str, teacher: str, out: str) -> dict[str, Any]:
+    """Negative control: :func:`distill` with TRL's own kernel on the vocab shards."""
+    import trl.trainer.distillation_trainer as module
+
+    routed = module.ChunkedDivergenceFunction
+    module.ChunkedDivergenceFunction = routed.__wrapped__
+    try:
+        return distill(rank, world, path, teacher, out)
+    finally:
+        module.ChunkedDivergenceFunction = routed

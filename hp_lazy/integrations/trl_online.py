@@ -46,7 +46,8 @@ from hp_lazy.names import PATCHED
 from hp_lazy.runtime.mesh import Group
 
 Degrees = Callable[[], "Mapping[str, int] | None"]
-TRAINERS = {"trl.trainer.grpo_trainer": "GRPOTrainer", "trl.trainer.rloo_trainer": "RLOOTrainer"}
+TRAINERS = {"trl.trainer.grpo_trainer": "GRPOTrainer", "trl.trainer.rloo_trainer": "RLOOTrainer",
+            "trl.trainer.distillation_trainer": "DistillationTrainer"}
 CONFIGS = {"trl.trainer.grpo_config": "GRPOConfig", "trl.trainer.rloo_config": "RLOOConfig"}
 _DP = "_hp_lazy_dp"
 
@@ -94,10 +95,64 @@ def install_trainer(module: ModuleType, degrees: Degrees) -> None:
         if inspect.isfunction(fn) and not name.startswith("__"):
             setattr(cls, name, _viewed_method(fn, degrees))
     cls.__init__ = _checked_init(cls, cls.__init__, degrees)
-    module.gather = _over_dp(module.gather, degrees, dp_gather)  # type: ignore[attr-defined]
-    module.gather_object = _over_dp(module.gather_object, degrees, dp_gather_object)  # type: ignore[attr-defined]
-    module.set_seed = _seeded_by_dp(module.set_seed, degrees)  # type: ignore[attr-defined]
+    for name, over in (("gather", dp_gather), ("gather_object", dp_gather_object)):  # those it imported
+        if hasattr(module, name):
+            setattr(module, name, _over_dp(getattr(module, name), degrees, over))
+    if hasattr(module, "set_seed"):
+        module.set_seed = _seeded_by_dp(module.set_seed, degrees)  # type: ignore[attr-defined]
+    if hasattr(module, KERNEL):  # DistillationTrainer's fused student/teacher head
+        setattr(module, KERNEL, _divergence_dispatcher(getattr(module, KERNEL)))
     setattr(cls, PATCHED, True)
+
+
+KERNEL = "ChunkedDivergenceFunction"
+
+
+def _divergence_dispatcher(stock: Any) -> type:
+    class VocabParallelAware:
+        """``apply`` like TRL's kernel; vocab-parallel when both heads are the same hp_lazy vocab shard."""
+
+        __wrapped__ = stock
+
+        @staticmethod
+        def apply(student_hidden: Any, student_weight: Any, student_bias: Any, teacher_hidden: Any,
+                  teacher_weight: Any, teacher_bias: Any, beta: float, temperature: float = 1.0,
+                  student_logit_scale: float = 1.0, student_final_logit_softcapping: float | None = None,
+                  teacher_logit_scale: float = 1.0, teacher_final_logit_softcapping: float | None = None) -> Any:
+            from hp_lazy.runtime.tp import divergence, logprobs
+
+            shard, teacher_shard = logprobs.shard_of(student_weight), logprobs.shard_of(teacher_weight)
+            if shard is None and teacher_shard is None:
+                return stock.apply(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
+                                   teacher_bias, beta, temperature, student_logit_scale,
+                                   student_final_logit_softcapping, teacher_logit_scale,
+                                   teacher_final_logit_softcapping)
+            if shard is None or teacher_shard != shard:
+                raise ShardingError(
+                    f"DistillationTrainer: the student's lm_head weight is {_rows(shard, student_weight)} on this "
+                    f"rank and the teacher's {_rows(teacher_shard, teacher_weight)}: the kernel needs both over the "
+                    "same words; load the student and the teacher under the same hp_lazy plan (from_pretrained "
+                    "after hp_lazy.activate)"
+                )
+
+            def transform(scale: float, softcap: float | None) -> logprobs.Transform:
+                return logprobs.Transform(scale=scale, softcap=None if softcap is None else softcap or 1.0,
+                                          inv_t=1 / temperature)  # a softcap of 0 as TRL reads it
+
+            return divergence.per_token(
+                student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, shard,
+                beta, transform(student_logit_scale, student_final_logit_softcapping),
+                transform(teacher_logit_scale, teacher_final_logit_softcapping),
+            )
+
+    setattr(VocabParallelAware, PATCHED, True)
+    return VocabParallelAware
+
+
+def _rows(shard: Any, weight: Any) -> str:
+    if shard is None:
+        return f"whole ({weight.shape[0]} rows)"
+    return f"rows {shard.start}..{shard.start + weight.shape[0] - 1} of {shard.vocab}"
 
 
 def _checked_init(cls: type, stock: Callable[..., None], degrees: Degrees) -> Callable[..., None]:
@@ -126,8 +181,10 @@ def _refuse(name: str, args: Any, shared: Mapping[str, int], dp: Group | None) -
             "completions with model.generate, which appends one token at a time and cannot be split over the sequence; "
             "activate a plan without cp (tp, ep and dp run this trainer exactly)"
         )
+    if dp is None or not hasattr(args, "generation_batch_size"):  # DistillationTrainer sizes it as it runs
+        return
     per_rank, steps, size = args.per_device_train_batch_size, args.steps_per_generation, args.generation_batch_size
-    if dp is not None and size != per_rank * dp.size * steps:
+    if size != per_rank * dp.size * steps:
         raise ShardingError(
             f"{name}: generation_batch_size={size} was sized for {size // (per_rank * steps)} processes, but the "
             f"{dp.size} dp rank(s) of hp_lazy's plan {dict(shared)} feed this model (the ranks of a tp group share "

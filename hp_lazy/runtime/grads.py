@@ -124,7 +124,7 @@ class _Entry:
 
     def contribution(self) -> torch.Tensor:
         grad = self.param.grad
-        assert grad is not None
+        assert grad is not None, self.fqn
         return grad if self.base is None else grad - self.base
 
 
@@ -229,7 +229,8 @@ class BucketReducer:
 
     def _post(self, entry: _Entry, bucket: _Bucket) -> Callable[[nn.Parameter], None]:
         def hook(param: nn.Parameter) -> None:
-            if self.sync and not entry.ready:
+            # no .grad: an autograd.Function returned None for it (no gradient; it sends zeros at launch)
+            if self.sync and not entry.ready and param.grad is not None:
                 bucket.fill(entry)
                 self._launch_ready()
 
