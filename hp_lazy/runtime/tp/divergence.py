@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from hp_lazy.runtime.comm import wire
-from hp_lazy.runtime.tp.logprobs import Transform, VocabShard, _chunks, _compute_dtype, _logits
+from hp_lazy.runtime.tp.logprobs import HeadGrads, Transform, VocabShard, _chunks, _compute_dtype, _logits
 
 
 def per_token(
@@ -114,10 +114,7 @@ class _VocabParallelDivergence(torch.autograd.Function):
             return (None,) * 10
         hs, ws, bs, ht, wt, bt, log_z_s, log_z_t, aux = ctx.saved_tensors
         (student, teacher), beta, shard = ctx.transforms, ctx.beta, ctx.shard
-        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
-        d_hidden = torch.zeros(hs.shape, device=hs.device, dtype=torch.float32) if need_hidden else None
-        d_weight = torch.zeros(ws.shape, device=ws.device, dtype=torch.float32) if need_weight else None
-        d_bias = torch.zeros(bs.shape, device=bs.device, dtype=torch.float32) if need_bias else None
+        grads = HeadGrads(ctx.needs_input_grad[:3], hs, ws, bs)
         inputs = (hs, ws, bs, ht, wt, bt, student, teacher, ctx.dtypes)
         for rows in _row_chunks(hs.shape[0], ws.shape[0]):
             xs, log_ps, log_pt = _log_probs(inputs, rows, log_z_s, log_z_t)
@@ -128,18 +125,5 @@ class _VocabParallelDivergence(torch.autograd.Function):
                 dz = ps * (log_ps - log_pt - aux[rows].unsqueeze(-1))
             else:
                 dz = (1 - beta) * ps * (log_ps - _log_mixture(log_ps, log_pt, beta) - aux[rows].unsqueeze(-1))
-            dx = student.backward(xs, dz * d_divergence[rows].float().unsqueeze(-1))
-            if d_hidden is not None:
-                d_hidden[rows] = dx @ ws.float()
-            if d_weight is not None:
-                d_weight += dx.t() @ hs[rows].float()
-            if d_bias is not None:
-                d_bias += dx.sum(0)
-        if d_hidden is not None and shard.group.size > 1:
-            wire.all_reduce(d_hidden, shard.group, "backward")  # each rank's part of the vocabulary
-        return (
-            None if d_hidden is None else d_hidden.to(hs.dtype),
-            None if d_weight is None else d_weight.to(ws.dtype),
-            None if d_bias is None else d_bias.to(bs.dtype),
-            *(None,) * 7,
-        )
+            grads.add(rows, student.backward(xs, dz * d_divergence[rows].float().unsqueeze(-1)))
+        return (*grads.result(shard.group), *(None,) * 7)

@@ -133,6 +133,36 @@ def _chunks(n: int, cols: int) -> range:
     return range(0, n, max(1, _CHUNK_ELEMENTS // max(cols, 1)))
 
 
+class HeadGrads:
+    """The gradients of a vocab-shard head ``hidden @ weight.T + bias`` that a kernel's backward
+    accumulates chunk by chunk in fp32 from ``dx``, the gradient of this rank's raw logits: the
+    weight's and bias's stay this rank's rows, the hidden's is summed over the shards at the end."""
+
+    def __init__(self, needs: tuple[bool, ...], hidden: torch.Tensor, weight: torch.Tensor,
+                 bias: torch.Tensor | None) -> None:
+        self.hidden, self.weight, self.bias = hidden, weight, bias
+
+        def zeros(t: torch.Tensor | None, need: bool) -> torch.Tensor | None:
+            return torch.zeros(t.shape, device=t.device, dtype=torch.float32) if need and t is not None else None
+
+        needed = zip((hidden, weight, bias), needs[:3], strict=True)
+        self.d_hidden, self.d_weight, self.d_bias = (zeros(t, n) for t, n in needed)
+
+    def add(self, rows: slice, dx: torch.Tensor) -> None:
+        if self.d_hidden is not None:
+            self.d_hidden[rows] = dx @ self.weight.float()
+        if self.d_weight is not None:
+            self.d_weight += dx.t() @ self.hidden[rows].float()
+        if self.d_bias is not None:
+            self.d_bias += dx.sum(0)
+
+    def result(self, group: Group) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        if self.d_hidden is not None and group.size > 1:
+            wire.all_reduce(self.d_hidden, group, "backward")  # each rank's part of the vocabulary
+        pairs = ((self.d_hidden, self.hidden), (self.d_weight, self.weight), (self.d_bias, self.bias))
+        return tuple(None if d is None or t is None else d.to(t.dtype) for d, t in pairs)  # type: ignore[return-value]
+
+
 class _VocabParallelLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, shard: VocabShard, transform: Transform, outputs):
@@ -179,11 +209,8 @@ class _VocabParallelLogProbs(torch.autograd.Function):
     def backward(ctx, d_log_probs, d_entropy, *_):
         hidden, weight, bias, targets, log_z, entropy = ctx.saved_tensors
         shard, transform, dtype = ctx.shard, ctx.transform, ctx.dtype
-        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        grads = HeadGrads(ctx.needs_input_grad[:3], hidden, weight, bias)
         n, cols = hidden.shape[0], weight.shape[0]
-        d_hidden = torch.zeros(hidden.shape, device=hidden.device, dtype=torch.float32) if need_hidden else None
-        d_weight = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32) if need_weight else None
-        d_bias = torch.zeros(bias.shape, device=bias.device, dtype=torch.float32) if need_bias else None
         columns = torch.arange(shard.start, shard.start + cols, device=hidden.device)
         step = _chunks(n, cols).step
         for lo in range(0, n, step):
@@ -197,19 +224,5 @@ class _VocabParallelLogProbs(torch.autograd.Function):
                 dz += d_log_probs[lo:hi].float().unsqueeze(-1) * (onehot - p)
             if d_entropy is not None:
                 dz -= d_entropy[lo:hi].float().unsqueeze(-1) * p * (log_p + entropy[lo:hi].unsqueeze(-1))
-            dx = transform.backward(x, dz)
-            rows = hidden[lo:hi].float()
-            if d_hidden is not None:
-                d_hidden[lo:hi] = dx @ weight.float()
-            if d_weight is not None:
-                d_weight += dx.t() @ rows
-            if d_bias is not None:
-                d_bias += dx.sum(0)
-        if d_hidden is not None and shard.group.size > 1:
-            wire.all_reduce(d_hidden, shard.group, "backward")  # each rank's part of the vocab
-        return (
-            None if d_hidden is None else d_hidden.to(hidden.dtype),
-            None if d_weight is None else d_weight.to(weight.dtype),
-            None if d_bias is None else d_bias.to(bias.dtype),
-            None, None, None, None,
-        )
+            grads.add(slice(lo, hi), transform.backward(x, dz))
+        return (*grads.result(shard.group), None, None, None, None)
