@@ -139,3 +139,26 @@ def test_a_gradient_left_undefined_by_an_autograd_function(pool4: DistPool, refs
     assert "lm_head.weight" not in ref and set(got) == set(ref), set(got) ^ set(ref)
     errors = {n: models.rel_err(got[n], g) for n, g in ref.items()}
     assert len(errors) > 10 and max(errors.values()) <= parity.TOL, sorted(errors.items(), key=lambda e: -e[1])[:2]
+
+
+def _backbone_first(rank: int, world: int, path: str, ids) -> dict:
+    """A loop that runs the backbone, then the head itself (no parallelize, no Trainer)."""
+    import hp_lazy
+
+    model = parity._load(path)
+    rows = ids.shape[0] // world  # this rank's rows (all of them in one process)
+    hidden = model.model(input_ids=ids[rank * rows : (rank + 1) * rows]).last_hidden_state
+    model.lm_head(hidden).square().mean().backward()
+    return hp_lazy.full_grads(model) if world > 1 else {n: p.grad for n, p in model.named_parameters()}
+
+
+def test_a_backbone_run_first_binds_the_whole_model(pool4: DistPool, refs) -> None:
+    """The backbone's first forward binds the model it was built in, so the head's gradient is
+    averaged over dp too (it was left to each rank: 0.5 off one process, different on every rank)."""
+    path, _ = refs("llama")
+    ids = dpwork.global_batch(4)
+    ref = _backbone_first(0, 1, path, ids)
+    got = parity.activated(pool4, tp=1).run(_backbone_first, path, ids)
+    for rank in got:
+        errors = {n: models.rel_err(rank[n], g) for n, g in ref.items()}
+        assert len(errors) > 10 and max(errors.values()) <= parity.TOL, sorted(errors.items(), key=lambda e: -e[1])[:2]

@@ -252,3 +252,28 @@ def test_layers_a_config_leaves_whole_under_tp_are_warned(pool: DistPool, root: 
             "projections (README: Plans; `python -m hp_lazy layout` shows what each rank holds), or train this "
             "family without tp"
         ]
+
+
+def _backbone_first_from_config(rank: int, world: int, path: str) -> dict:
+    """A model built from its config (no shard-on-read), its backbone run first, then its head."""
+    import transformers
+
+    import hp_lazy
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(path))
+    ids = models.batch()
+    model.lm_head(model.model(input_ids=ids).last_hidden_state).square().mean().backward()
+    grads = hp_lazy.full_grads(model) if world > 1 else {n: p.grad for n, p in model.named_parameters()}
+    return {"head_rows": model.lm_head.weight.shape[0], "grads": grads}
+
+
+def test_a_backbone_run_first_binds_the_whole_model(pool: DistPool, root: str) -> None:
+    """The backbone's first forward binds the model it was built in: the head is cut over the
+    vocabulary too (it stayed whole on every rank), every gradient one process's."""
+    path = models.build("llama", root)
+    ref = _backbone_first_from_config(0, 1, path)
+    for rank in pool.run(_backbone_first_from_config, path):
+        assert rank["head_rows"] == ref["head_rows"] // 2
+        errors = {n: models.rel_err(rank["grads"][n], g) for n, g in ref["grads"].items()}
+        assert len(errors) > 10 and max(errors.values()) <= parity.TOL, sorted(errors.items(), key=lambda e: -e[1])[:2]

@@ -62,15 +62,31 @@ def install(module: ModuleType, degrees: Degrees) -> None:
 
 def install_modeling(module: ModuleType) -> None:
     """``PreTrainedModel`` of ``module`` (``transformers.modeling_utils``), once: ``num_parameters``
-    counts one process's parameters for a model hp_lazy bound (not this rank's shards), and the
+    counts one process's parameters for a model hp_lazy bound (not this rank's shards), the
     gradient-checkpointing function a model is given recomputes inside the context-parallel call
-    state of its forward (:func:`hp_lazy.runtime.cp.state.carried`)."""
+    state of its forward (:func:`hp_lazy.runtime.cp.state.carried`), and ``post_init`` records
+    which model each module was built in (:func:`hp_lazy.runtime.record.mark_built`)."""
     cls = module.PreTrainedModel
     if getattr(cls, PATCHED, False):
         return
     cls.num_parameters = _num_parameters(cls.num_parameters)
     cls._set_gradient_checkpointing = _set_gradient_checkpointing(cls._set_gradient_checkpointing)
+    cls.post_init = _post_init(cls.post_init)
     setattr(cls, PATCHED, True)
+
+
+def _post_init(stock: Callable[..., None]) -> Callable[..., None]:
+    """Each model's ``post_init`` (the end of its ``__init__``) marks its modules as built in it:
+    the outermost model's runs last, so a backbone's first forward binds the whole model."""
+
+    @functools.wraps(stock)
+    def post_init(self: Any) -> None:
+        from hp_lazy.runtime.record import mark_built
+
+        stock(self)
+        mark_built(self)
+
+    return post_init
 
 
 def _set_gradient_checkpointing(stock: Callable[..., Any]) -> Callable[..., Any]:

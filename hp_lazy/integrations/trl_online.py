@@ -42,14 +42,13 @@ from typing import Any
 
 from hp_lazy.errors import ShardingError
 from hp_lazy.integrations.accelerate import data_group, lowered, sharing_degrees
-from hp_lazy.names import PATCHED
+from hp_lazy.names import DP_VIEW, PATCHED
 from hp_lazy.runtime.mesh import Group
 
 Degrees = Callable[[], "Mapping[str, int] | None"]
 TRAINERS = {"trl.trainer.grpo_trainer": "GRPOTrainer", "trl.trainer.rloo_trainer": "RLOOTrainer",
             "trl.trainer.distillation_trainer": "DistillationTrainer"}
 CONFIGS = {"trl.trainer.grpo_config": "GRPOConfig", "trl.trainer.rloo_config": "RLOOConfig"}
-_DP = "_hp_lazy_dp"
 
 
 def install_config(module: ModuleType, degrees: Degrees) -> None:
@@ -213,17 +212,17 @@ class DataParallelView:
 
     @property
     def num_processes(self) -> int:
-        return self.__dict__[_DP].size
+        return self.__dict__[DP_VIEW].size
 
     @property
     def process_index(self) -> int:
-        return self.__dict__[_DP].rank
+        return self.__dict__[DP_VIEW].rank
 
     def gather(self, tensor: Any) -> Any:
-        return dp_gather(tensor, self.__dict__[_DP])
+        return dp_gather(tensor, self.__dict__[DP_VIEW])
 
     def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
-        return dp_reduce(tensor, self.__dict__[_DP], reduction)
+        return dp_reduce(tensor, self.__dict__[DP_VIEW], reduction)
 
     def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
         """The accelerator's own (which drops the tp copies of every rank's gather)."""
@@ -238,12 +237,12 @@ _VIEWS: dict[type, type] = {}
 def _viewed(accelerator: Any, dp: Group) -> Iterator[None]:
     real = type(accelerator)
     view = _VIEWS.setdefault(real, type(real.__name__, (DataParallelView, real), {"_real": real}))
-    accelerator.__class__, accelerator.__dict__[_DP] = view, dp
+    accelerator.__class__, accelerator.__dict__[DP_VIEW] = view, dp
     try:
         yield
     finally:
         accelerator.__class__ = real
-        del accelerator.__dict__[_DP]
+        del accelerator.__dict__[DP_VIEW]
 
 
 @contextlib.contextmanager

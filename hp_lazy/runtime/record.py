@@ -8,7 +8,9 @@ a submodule replaced since. :mod:`hp_lazy.runtime.owner` runs its lifecycle; eve
 it through :func:`of` and :func:`records`.
 
 Every module of the model also holds the :class:`Watch` (``names.WATCH``), so that a submodule finds
-its top-level model; lowered modules hold ``names.BOUND`` (one truth test in their prologue).
+its top-level model; lowered modules hold ``names.BOUND`` (one truth test in their prologue). Before
+any binding, a module finds the outermost transformers model it was built in (:func:`built_in`), so
+that a backbone run first (a loop that calls ``model.model`` and then the head) binds the whole model.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from hp_lazy.names import OWNER, WATCH
+from hp_lazy.names import BUILT_IN, OWNER, WATCH
 from hp_lazy.runtime.layout import LayoutTable
 from hp_lazy.runtime.mesh import Mesh
 
@@ -77,6 +79,20 @@ def top_of(module: nn.Module) -> nn.Module | None:
     """The top-level bound model ``module`` belongs to (through the watch every module holds)."""
     watch = module.__dict__.get(WATCH)
     return watch.top() if watch is not None else None
+
+
+def mark_built(model: nn.Module) -> None:
+    """Every module of ``model`` was built in it (``post_init`` of each transformers model: the
+    outermost one, whose runs last, is what stays)."""
+    ref = weakref.ref(model)
+    for module in model.modules():
+        module.__dict__[BUILT_IN] = ref
+
+
+def built_in(module: nn.Module) -> nn.Module | None:
+    """The outermost transformers model ``module`` was built in, if it is alive."""
+    ref = module.__dict__.get(BUILT_IN)
+    return ref() if ref is not None else None
 
 
 def tables(model: nn.Module) -> Iterator[tuple[str, LayoutTable]]:

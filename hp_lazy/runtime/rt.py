@@ -85,8 +85,8 @@ def ensure_parallel(module: nn.Module, inputs: Mapping[str, Any] | None = None) 
     if BOUND not in module.__dict__:
         from hp_lazy.runtime.owner import parallelize
 
-        top = record.top_of(module) if LAID_OUT in module.__dict__ else None
-        parallelize(top if top is not None else module)  # a backbone run first (TRL's fused head) binds its model
+        top = record.top_of(module) if LAID_OUT in module.__dict__ else record.built_in(module)
+        parallelize(top if top is not None else module)  # a backbone run first binds the model it was built in
     watch = module.__dict__.get(WATCH)
     if watch is not None and watch.dirty:  # PEFT wrapped (or unwrapped) a planned Linear since binding
         from hp_lazy.runtime.owner import refresh
