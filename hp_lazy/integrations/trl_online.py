@@ -1,7 +1,8 @@
-"""TRL's online RL trainers (``GRPOTrainer``, ``RLOOTrainer``) on a model whose ranks share a batch.
+"""TRL's generating trainers (``GRPOTrainer``, ``RLOOTrainer``, ``DistillationTrainer``) on a model
+whose ranks share a batch.
 
 These trainers take every process for a data-parallel one, which under tensor parallelism is
-wrong in four places:
+wrong in four places (the config's sizing: GRPO and RLOO; the rest: all three):
 
 - ``set_seed(args.seed, device_specific=True)`` seeds each process with its ``process_index``, so
   the ranks of one tp group would sample different completions;
@@ -27,8 +28,14 @@ shares batches (tp or cp > 1; :func:`hp_lazy.integrations.accelerate.data_group`
 The run is then the dp-only run of the same dp: one process's at dp = 1. The Trainer's own
 methods (its loop, its loss scale through ``get_tp_size``) are untouched.
 
+``DistillationTrainer`` also hands both models' ``lm_head`` weights to TRL's fused kernel
+(``ChunkedDivergenceFunction``, looked up in its module): two heads cut over the same vocab rows go
+to :func:`hp_lazy.runtime.tp.divergence.per_token` instead, whole heads to TRL's kernel, a mix is
+refused.
+
 Refused when the trainer is built, by name: context parallel (generation appends one token at a
-time), and vLLM generation (its weight sync would read this rank's shards).
+time), vLLM generation (its weight sync would read this rank's shards), and a config built before
+``activate`` (its generation batch sized for every rank).
 """
 
 from __future__ import annotations
@@ -49,6 +56,8 @@ Degrees = Callable[[], "Mapping[str, int] | None"]
 TRAINERS = {"trl.trainer.grpo_trainer": "GRPOTrainer", "trl.trainer.rloo_trainer": "RLOOTrainer",
             "trl.trainer.distillation_trainer": "DistillationTrainer"}
 CONFIGS = {"trl.trainer.grpo_config": "GRPOConfig", "trl.trainer.rloo_config": "RLOOConfig"}
+KERNEL = "ChunkedDivergenceFunction"
+"""The name ``trl.trainer.distillation_trainer`` calls its fused student/teacher head kernel by."""
 
 
 def install_config(module: ModuleType, degrees: Degrees) -> None:
@@ -102,9 +111,6 @@ def install_trainer(module: ModuleType, degrees: Degrees) -> None:
     if hasattr(module, KERNEL):  # DistillationTrainer's fused student/teacher head
         setattr(module, KERNEL, _divergence_dispatcher(getattr(module, KERNEL)))
     setattr(cls, PATCHED, True)
-
-
-KERNEL = "ChunkedDivergenceFunction"
 
 
 def _divergence_dispatcher(stock: Any) -> type:
