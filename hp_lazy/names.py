@@ -66,9 +66,6 @@ LAZY_INIT = "_infer_parameters"
 DP_VIEW = "_hp_dp_view"
 """``Accelerator`` ``__dict__`` key: the dp group while one of an RL trainer's own methods runs
 (:class:`hp_lazy.integrations.trl_online.DataParallelView`)."""
-BUILT_IN = "_hp_built_in"
-"""Module ``__dict__`` key: a weak reference to the outermost transformers model it was built in (set by
-that model's ``post_init``), the model a submodule's first forward binds (:func:`hp_lazy.runtime.record.built_in`)."""
 LAID_OUT = "_hp_laid_out"
 """Lowered submodule ``__dict__`` key: the name of the top-level model whose layout it is part of,
 laid out before its weights were read (shard-on-read; :func:`hp_lazy.runtime.owner.lay_out_before_load`)."""
@@ -116,7 +113,7 @@ LOG_HANDLER = "_hp_lazy"
 GENERATED: frozenset[str] = frozenset({RT, INFO, BINDING, FORM, OUT, CALL})
 ATTACHED: frozenset[str] = frozenset(
     {BOUND, OWNER, LEAF_INPUTS, VOCAB_RANGE, INPUT_CHECK, CP_ENTRY, EP_DISPATCH, EP_LOAD, PATCHED,
-     OPTIM_ADOPTED, BUILT_IN, LAID_OUT, LEAF, WATCH, ADAPTER_HOOKS, LAZY_HOOK, LAZY_INIT, ROUTED, NO_HUB_KERNEL,
+     OPTIM_ADOPTED, LAID_OUT, LEAF, WATCH, ADAPTER_HOOKS, LAZY_HOOK, LAZY_INIT, ROUTED, NO_HUB_KERNEL,
      HUB_CONDITION, WRAPPED, DROPOUT_CUTS, LOG_HANDLER, SPLIT, SEQUENCE_GATHERED, SEQUENCE_CARRIED, SEQUENCE_INPUTS,
      SEQUENCE_CHECKED, SEQUENCE_DIM, SEQUENCE_TOKENS, SEQUENCE_RUNNING}
 )

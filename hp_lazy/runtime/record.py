@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from hp_lazy.names import BUILT_IN, OWNER, WATCH
+from hp_lazy.names import OWNER, WATCH
 from hp_lazy.runtime.layout import LayoutTable
 from hp_lazy.runtime.mesh import Mesh
 
@@ -81,17 +81,23 @@ def top_of(module: nn.Module) -> nn.Module | None:
     return watch.top() if watch is not None else None
 
 
+_BUILT_IN: weakref.WeakKeyDictionary[nn.Module, weakref.ref[nn.Module]] = weakref.WeakKeyDictionary()
+"""Module -> the outermost transformers model it was built in. A side table, not the module's
+``__dict__``: a model hp_lazy never binds still pickles, and a deep copy's modules are not pointed
+at the original."""
+
+
 def mark_built(model: nn.Module) -> None:
     """Every module of ``model`` was built in it (``post_init`` of each transformers model: the
     outermost one, whose runs last, is what stays)."""
     ref = weakref.ref(model)
     for module in model.modules():
-        module.__dict__[BUILT_IN] = ref
+        _BUILT_IN[module] = ref
 
 
 def built_in(module: nn.Module) -> nn.Module | None:
     """The outermost transformers model ``module`` was built in, if it is alive."""
-    ref = module.__dict__.get(BUILT_IN)
+    ref = _BUILT_IN.get(module)
     return ref() if ref is not None else None
 
 
