@@ -128,14 +128,17 @@ def test_distillation_loss_user_loop(knobs: dict, pool2: DistPool, model_path: s
     assert max(errors.values()) <= parity.TOL, sorted(errors.items(), key=lambda e: -e[1])[:3]
 
 
-def test_distillation_loss_bytes(pool2: DistPool, model_path: str, teacher_path: str) -> None:
-    """The fused heads add all-reduces of [2, N], [3, N] and [2, N] fp32 in forward and one of [N, H]
-    (the student hidden gradient) in backward: no weight moves."""
+@pytest.mark.parametrize("beta, rows", [(0.5, 7), (1.0, 6)], ids=["jsd", "reverse-kl"])
+def test_distillation_loss_bytes(beta: float, rows: int, pool2: DistPool, model_path: str, teacher_path: str) -> None:
+    """The fused heads add all-reduces of [2, N], [3, N] and [2, N] fp32 in forward ([1, N] for a KL,
+    which needs no per-token term in backward) and one of [N, H] (the student hidden gradient) in
+    backward: no weight moves."""
     ids = models.batch()  # [2, 16]: N = 32 positions
     n, hidden = ids.numel(), 32
-    got = parity.activated(pool2, tp=2).run(trlwork.divergence_loop, model_path, teacher_path, ids, 0.5, True)
+    got = parity.activated(pool2, tp=2).run(trlwork.divergence_loop, model_path, teacher_path, ids, beta, True)
     for payload in got:
-        assert payload == {("all_reduce", "forward"): 7 * n * 4, ("all_reduce", "backward"): n * hidden * 4}, payload
+        assert payload == {("all_reduce", "forward"): rows * n * 4, ("all_reduce", "backward"): n * hidden * 4}, \
+            payload
 
 
 def _activate_ep(rank: int, world: int) -> None:

@@ -13,10 +13,11 @@ returns, over the whole vocabulary, from the shards: for ``student_hidden [N, Hs
 
 Both heads' logits go through a :class:`~hp_lazy.runtime.tp.logprobs.Transform` (scale, softcap,
 temperature). Rows are taken in chunks of at most ``2**24`` elements of this rank's ``[N, V/tp]``
-and recomputed in backward; the ``[N, V]`` logits are never built. Forward: all-reduces of
-``[2, N]`` (max), ``[3, N]`` (the normalizers, the entropy's sum) and ``[2, N]`` (the divergence
-and its backward's per-token term), fp32. Backward: one of ``[N, Hs]`` (the student hidden
-gradient). The gradient flows to the student only; its weight's gradient stays this rank's rows.
+and recomputed (forward: three passes, the max, the sums against the global max, the divergence;
+backward: one); the ``[N, V]`` logits are never built. Forward: all-reduces of ``[2, N]`` (max),
+``[3, N]`` (the normalizers, the entropy's sum) and ``[2, N]`` (the divergence and, for the
+generalized JSD, its backward's per-token term; ``[1, N]`` for either KL), fp32. Backward: one of
+``[N, Hs]`` (the student hidden gradient). The gradient flows to the student only; its weight's gradient stays this rank's rows.
 """
 
 from __future__ import annotations
@@ -99,8 +100,8 @@ class _VocabParallelDivergence(torch.autograd.Function):
                 kl_s = (log_ps.exp() * (log_ps - log_m)).sum(-1)
                 parts[0, rows] = beta * (log_pt.exp() * (log_pt - log_m)).sum(-1) + (1 - beta) * kl_s
                 parts[1, rows] = kl_s
-        if g.size > 1:
-            wire.all_reduce(parts, g, "forward")
+        if g.size > 1:  # KL(p_s || m) only for the generalized JSD's backward
+            wire.all_reduce(parts if 0.0 < beta < 1.0 else parts[:1], g, "forward")
         divergence = parts[0]
         aux = parts[0] if beta in (0.0, 1.0) else parts[1]
         ctx.save_for_backward(hs, ws, bs, ht, wt, bt, log_z_s, log_z_t, aux)
