@@ -17,7 +17,8 @@ and recomputed (forward: three passes, the max, the sums against the global max,
 backward: one); the ``[N, V]`` logits are never built. Forward: all-reduces of ``[2, N]`` (max),
 ``[3, N]`` (the normalizers, the entropy's sum) and ``[2, N]`` (the divergence and, for the
 generalized JSD, its backward's per-token term; ``[1, N]`` for either KL), fp32. Backward: one of
-``[N, Hs]`` (the student hidden gradient). The gradient flows to the student only; its weight's gradient stays this rank's rows.
+``[N, Hs]`` (the student hidden gradient). The gradient flows to the student only; its weight's
+gradient stays this rank's rows.
 """
 
 from __future__ import annotations
