@@ -145,7 +145,7 @@ class HeadGrads:
         def zeros(t: torch.Tensor | None, need: bool) -> torch.Tensor | None:
             return torch.zeros(t.shape, device=t.device, dtype=torch.float32) if need and t is not None else None
 
-        needed = zip((hidden, weight, bias), needs[:3], strict=True)
+        needed = zip((hidden, weight, bias), needs, strict=True)
         self.d_hidden, self.d_weight, self.d_bias = (zeros(t, n) for t, n in needed)
 
     def add(self, rows: slice, dx: torch.Tensor) -> None:
