@@ -237,6 +237,21 @@ def _prompts():
     return Dataset.from_dict({"prompt": [" ".join(f"t{i}" for i in row) for row in ids]})
 
 
+def _generating_args(out: str, **more: Any) -> dict[str, Any]:
+    """The config fields of a generating trainer's 2-step run: a global batch of 4 prompts over the
+    data-parallel processes (hp_lazy's dp ranks under a plan, every rank of a plain run)."""
+    import torch.distributed as dist
+
+    import hp_lazy
+    from hp_lazy.api import active_plan
+
+    dp = (hp_lazy.mesh().group("dp").size if active_plan() is not None
+          else dist.get_world_size() if dist.is_initialized() else 1)
+    return dict(output_dir=out, per_device_train_batch_size=trainwork.GLOBAL_BATCH // dp, max_completion_length=6,
+                max_steps=2, logging_steps=1, report_to=[], optim="sgd", learning_rate=0.1, weight_decay=0.01,
+                save_strategy="no", use_cpu=True, disable_tqdm=True, bf16=False, seed=0, **more)
+
+
 def online(rank: int, world: int, path: str, out: str, trainer: str = "GRPO", num_generations: int = 2,
            use_vllm: bool = False, lora: dict[str, Any] | None = None, accumulation: int = 1,
            aux_coef: float | None = None) -> dict[str, Any]:
@@ -247,22 +262,13 @@ def online(rank: int, world: int, path: str, out: str, trainer: str = "GRPO", nu
     arguments, handed to TRL as ``peft_config`` (the reference model is the base, adapters off).
     ``aux_coef``: ``router_aux_loss_coef`` (None: the model config's)."""
     import torch
-    import torch.distributed as dist
     import trl
     from peft import LoraConfig
 
-    import hp_lazy
-    from hp_lazy.api import active_plan
-
     model = trainwork.parity._load(path)
-    dp = hp_lazy.mesh().group("dp").size if active_plan() is not None else (dist.get_world_size()
-                                                                            if dist.is_initialized() else 1)
-    args = getattr(trl, f"{trainer}Config")(
-        output_dir=out, per_device_train_batch_size=trainwork.GLOBAL_BATCH // dp, num_generations=num_generations,
-        max_completion_length=6, max_steps=2, logging_steps=1, report_to=[], optim="sgd", learning_rate=0.1,
-        weight_decay=0.01, save_strategy="no", use_cpu=True, disable_tqdm=True, bf16=False, seed=0, beta=0.1,
-        use_vllm=use_vllm, gradient_accumulation_steps=accumulation, router_aux_loss_coef=aux_coef,
-    )
+    args = getattr(trl, f"{trainer}Config")(**_generating_args(
+        out, num_generations=num_generations, beta=0.1, use_vllm=use_vllm, gradient_accumulation_steps=accumulation,
+        router_aux_loss_coef=aux_coef))
     torch.manual_seed(7)  # the adapters' init, if any: the same draws in every process
     run = getattr(trl, f"{trainer}Trainer")(model=model, reward_funcs=_reward, args=args, train_dataset=_prompts(),
                                             processing_class=tokenizer(), peft_config=lora and LoraConfig(**lora))
@@ -297,19 +303,9 @@ def distill(rank: int, world: int, path: str, teacher: str, out: str, **config: 
     teacher's next-token distributions, 2 steps of a global batch of 4 prompts: every logged number
     but the step time, rank 0 the parameters. ``config``: more ``DistillationConfig`` fields
     (``beta``, ``temperature``)."""
-    import torch.distributed as dist
     import trl
 
-    import hp_lazy
-    from hp_lazy.api import active_plan
-
-    dp = hp_lazy.mesh().group("dp").size if active_plan() is not None else (dist.get_world_size()
-                                                                            if dist.is_initialized() else 1)
-    args = trl.DistillationConfig(
-        output_dir=out, per_device_train_batch_size=trainwork.GLOBAL_BATCH // dp, max_completion_length=6,
-        max_steps=2, logging_steps=1, report_to=[], optim="sgd", learning_rate=0.1, weight_decay=0.01,
-        save_strategy="no", use_cpu=True, disable_tqdm=True, bf16=False, seed=0, **config,
-    )
+    args = trl.DistillationConfig(**_generating_args(out, **config))
     model = trainwork.parity._load(path)
     run = trl.DistillationTrainer(model=model, teacher_model=trainwork.parity._load(teacher), args=args,
                                   train_dataset=_prompts(), processing_class=tokenizer())
