@@ -90,8 +90,9 @@ def activate(
     when_imported("accelerate.accelerator", _integrate_accelerate)  # before install: its finder stays first
     when_imported("transformers.trainer", _integrate_trainer)
     when_imported("trl.trainer.utils", _integrate_trl)
-    for name in ("trl.trainer.grpo_config", "trl.trainer.rloo_config", "trl.trainer.grpo_trainer",
-                 "trl.trainer.rloo_trainer", "trl.trainer.distillation_trainer"):  # trl_online.CONFIGS, TRAINERS
+    from hp_lazy.integrations import ONLINE_CONFIGS, ONLINE_TRAINERS  # names only: no torch import
+
+    for name in (*ONLINE_CONFIGS, *ONLINE_TRAINERS):
         when_imported(name, _integrate_trl_online)
     when_imported("transformers.modeling_utils", _integrate_modeling)
     handle = install(resolved, cache=cache, lower=_lower, bind=_register, runtime=_runtime)
@@ -159,9 +160,9 @@ def _integrate_trl(module: ModuleType) -> None:
 def _integrate_trl_online(module: ModuleType) -> None:
     """TRL's GRPO / RLOO trainers and configs with the dp ranks as their processes: see
     :mod:`hp_lazy.integrations.trl_online`."""
-    from hp_lazy.integrations import trl_online
+    from hp_lazy.integrations import ONLINE_CONFIGS, trl_online
 
-    if module.__name__ in trl_online.CONFIGS:
+    if module.__name__ in ONLINE_CONFIGS:
         trl_online.install_config(module, degrees=_active_degrees)
     else:
         trl_online.install_trainer(module, degrees=_active_degrees)

@@ -48,21 +48,19 @@ from types import ModuleType
 from typing import Any
 
 from hp_lazy.errors import ShardingError
+from hp_lazy.integrations import ONLINE_CONFIGS, ONLINE_TRAINERS
 from hp_lazy.integrations.accelerate import data_group, lowered, sharing_degrees
 from hp_lazy.names import DP_VIEW, PATCHED
 from hp_lazy.runtime.mesh import Group
 
 Degrees = Callable[[], "Mapping[str, int] | None"]
-TRAINERS = {"trl.trainer.grpo_trainer": "GRPOTrainer", "trl.trainer.rloo_trainer": "RLOOTrainer",
-            "trl.trainer.distillation_trainer": "DistillationTrainer"}
-CONFIGS = {"trl.trainer.grpo_config": "GRPOConfig", "trl.trainer.rloo_config": "RLOOConfig"}
 KERNEL = "ChunkedDivergenceFunction"
 """The name ``trl.trainer.distillation_trainer`` calls its fused student/teacher head kernel by."""
 
 
 def install_config(module: ModuleType, degrees: Degrees) -> None:
     """Size ``module``'s RL config's generation batch by the dp ranks."""
-    cls = getattr(module, CONFIGS.get(module.__name__, ""), None)
+    cls = getattr(module, ONLINE_CONFIGS.get(module.__name__, ""), None)
     if cls is None or cls.__dict__.get(PATCHED, False):
         return
     stock = cls.__post_init__
@@ -96,7 +94,7 @@ def _world_size(cls: type, size: int) -> Iterator[None]:
 
 def install_trainer(module: ModuleType, degrees: Degrees) -> None:
     """Give ``module``'s RL trainer the dp ranks as its processes (see the module docstring)."""
-    cls = getattr(module, TRAINERS.get(module.__name__, ""), None)
+    cls = getattr(module, ONLINE_TRAINERS.get(module.__name__, ""), None)
     if cls is None or cls.__dict__.get(PATCHED, False):  # its own mark, not the Trainer's it inherits
         return
     for name, fn in list(vars(cls).items()):
