@@ -2,7 +2,7 @@
 LM head runs on each rank's zigzag rows (hp_lazy's entry splits the fused call and hands TRL
 pre-shifted labels), its per-token outputs come back whole. ``SFTTrainer`` (plain, packing,
 completion-only; packing on Kolibri 1.1's sparse attention) and the fused head in a user loop, against
-one process. GRPO, which generates, is refused by name."""
+one process. GRPO, RLOO and DistillationTrainer, which generate, are refused by name."""
 
 from __future__ import annotations
 
@@ -81,10 +81,14 @@ def test_an_unpadded_length_is_refused_naming_the_collator_option(ready, tmp_pat
         pool.run(trlwork.dpo, path, str(tmp_path / "hp"))
 
 
-def test_online_rl_trainers_are_refused(ready, tmp_path) -> None:
-    """GRPO generates with model.generate, which cp cannot split: refused when the trainer is built."""
+@pytest.mark.parametrize("trainer", ["GRPO", "RLOO", "Distillation"])
+def test_generating_trainers_are_refused(trainer: str, ready, tmp_path) -> None:
+    """They generate with model.generate, which cp cannot split: refused when the trainer is built."""
     pool, path = ready
-    with pytest.raises(WorkerError, match=r"GRPOTrainer: hp_lazy splits this model's sequence over cp=2, but "
-                                          r"GRPOTrainer generates its completions with model.generate, which appends "
-                                          r"one token at a time .* activate a plan without cp"):
-        pool.run(trlwork.online, path, str(tmp_path / "hp"))
+    with pytest.raises(WorkerError, match=rf"{trainer}Trainer: hp_lazy splits this model's sequence over cp=2, but "
+                                          rf"{trainer}Trainer generates its completions with model.generate, which "
+                                          r"appends one token at a time .* activate a plan without cp"):
+        if trainer == "Distillation":  # the model its own teacher
+            pool.run(trlwork.distill, path, path, str(tmp_path / "hp"))
+        else:
+            pool.run(trlwork.online, path, str(tmp_path / "hp"), trainer)
