@@ -198,6 +198,11 @@ FAMILY_EXTRA: dict[str, dict[str, Any]] = {
                        layer_types=["sliding_attention", "indexed_attention"], index_layers=[1], index_pool_size=8,
                        index_compression=2, index_num_local_tokens=2, index_num_sink_tokens=1),
     "gemma4": dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32),  # the MoE variant
+    # its defaults leave the QSA indexer unset (every indexed layer needs one) and the n-gram tables at 20M rows;
+    # PLE on layer 1 (linear attention, one-indexed), 4 n-gram heads of 8 over tables of ~70 rows
+    "qwen4_exp": dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=8, indexer_budget=4,
+                      indexer_compress_ratio=2, hc_lowrank=8, ple_layer_ids=[1], ple_embed_dim=32, heads_per_ngram=2,
+                      ngram_vocab_size_base=64, make_ngram_vocab_size_divisible_by=8, eos_token_id=2),
     "cohere_compass": dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
 }
 FAMILY_MODEL: dict[str, tuple[str, str, str]] = {

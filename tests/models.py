@@ -237,6 +237,19 @@ MORE_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
                                   "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": True}),
     # vision-language: a vision tower with its own config (2 blocks) beside the text stack; under
     # cp the text stack splits and the tower runs whole (text-only batches; image inputs refused)
+    # Qwen4-Exp (transformers 5.25): layer 0 Gated DeltaNet with per-layer n-gram embeddings (PLE: 4 hashed
+    # n-gram heads of 8 features over tables of ~70 rows, transformers' embedding_colwise), layer 1 attention
+    # whose QSA indexer keeps each row's top 2 blocks of 2 keys; 2 hyper-connection streams; MoE with a shared expert
+    "qwen4_exp": ("Qwen4ExpTextConfig", {"head_dim": 8, "num_key_value_heads": 2, "linear_num_key_heads": 2,
+                                         "linear_num_value_heads": 4, "linear_key_head_dim": 8,
+                                         "linear_value_head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2,
+                                         "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
+                                         "layer_types": ["linear_attention", "indexed_attention"],
+                                         "indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 8,
+                                         "indexer_budget": 4, "indexer_compress_ratio": 2, "hc_count": 2,
+                                         "hc_lowrank": 8, "ple_layer_ids": [1], "ple_embed_dim": 32,
+                                         "heads_per_ngram": 2, "ngram_vocab_size_base": 64,
+                                         "make_ngram_vocab_size_divisible_by": 8, "eos_token_id": 2}),
     "qwen2_vl": ("Qwen2VLConfig", {
         "text_config": {"head_dim": 8, "num_key_value_heads": 2,
                         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}},

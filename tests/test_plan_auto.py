@@ -381,6 +381,21 @@ def test_attention_the_tp_plan_leaves_out_runs_on_the_cp_rows_under_sp() -> None
         "inner": {"call": "attention", "kind": "cp_allgather_kv"}}
 
 
+def test_a_leaf_inside_attention_cp_splits_is_run_whole_with_it_under_sp() -> None:
+    """Qwen4-Exp's TP plan names its attention's indexer projection only: under cp x tp with sequence
+    parallel the attention (cp's op alone) is the module run on the cp rows, and the indexer inside it
+    gets no second gather of the sequence (before, Plan.auto gave it one, and its own check refused
+    the plan, telling the user to edit it)."""
+    got = contracts("qwen4_exp", tp=2, cp=2, sequence_parallel=True)
+    assert got["model.layers.*.self_attn"] == {"in_src": {"hidden_states": {"tp": "S(1)"}}, "in_dst": {"hidden_states": R},
+                                               "out_src": {"output": R}, "out_dst": {"output": {"tp": "S(1)"}},
+                                               "inner": {"call": "attention", "kind": "cp_allgather_kv"}}
+    assert "model.layers.*.self_attn.indexer" not in got
+    assert got["model.layers.*.self_attn.indexer.index_qk_proj"] == contracts("qwen4_exp")[
+        "model.layers.*.self_attn.indexer.index_qk_proj"]
+    Plan.auto(tp=2, cp=2, sequence_parallel=True).slice(*source("qwen4_exp"))  # passes its own check
+
+
 def test_experts_under_sequence_parallel_take_every_rank_rows() -> None:
     """Inside the sequence-split layer stack the experts' rows (and their top-k ids and weights)
     arrive cut over tp: gathered in, the partial sums reduce-scattered out."""
@@ -641,16 +656,22 @@ def test_unknown_styles_name_key_and_string(monkeypatch: pytest.MonkeyPatch) -> 
     text = toy_error(monkeypatch, {"layers.*.mlp.experts": "mla_kv_a_proj"})  # only inside an attention pair
     assert "['layers.*.mlp.experts'] = 'mla_kv_a_proj' is not inside a module that encloses a colwise -> " \
            "rowwise pair" in text
+    text = toy_error(monkeypatch, {"layers.*.mlp": "embedding_colwise"})  # only on an embedding
+    assert "['layers.*.mlp'] = 'embedding_colwise' applies to class 'MLP'; Plan.auto shards only nn.Embedding" in text
 
 
 def test_expert_parallel_at_tp1_reads_no_tp_strings() -> None:
-    """At tp=1 nothing is cut over tp: a TP string Plan.auto cannot translate (Qwen4-Exp's
-    'embedding_colwise') does not stop ep, which the ep plan alone places; at tp=2 it is refused."""
+    """At tp=1 nothing is cut over tp: Qwen4-Exp's TP strings are not read and the ep plan alone places
+    its experts. At tp=2 its 'embedding_colwise' (5.25; refused before) is translated: the n-gram
+    tables are cut along their features and the lookup's slices gathered."""
     plan = Plan.auto(tp=1, ep=2).slice(*source("qwen4_exp"))
     assert [c.pattern for c in plan.contracts] == ["model.layers.*.mlp.experts"]
     assert plan.contracts[0].to_dict()["region"] == {"kind": "ep_dispatch"}
-    with pytest.raises(PlanError, match=r"= 'embedding_colwise' is not a style"):
-        Plan.auto(tp=2, ep=2).slice(*source("qwen4_exp"))
+    qwen4 = {c.pattern: c.to_dict() for c in Plan.auto(tp=2, ep=2).slice(*source("qwen4_exp")).contracts}
+    table = qwen4["model.layers.*.ple.ple_embedding.ngram_embedding"]
+    assert (table["params"], table["out_src"], table["out_dst"]) == (
+        {"weight": {"tp": "S(1)"}}, {"output": {"tp": "S(-1)"}}, {"output": {"tp": "R"}})
+    assert qwen4["model.layers.*.mlp.experts"]["region"]["kind"] == "ep_dispatch"
     hy = {c.pattern: c.to_dict() for c in Plan.auto(tp=2, ep=2).slice(*source("hy_v4")).contracts}
     assert hy["model.layers.*.self_attn"]["params"]["sinks"] == {"tp": "S(0)"}  # 'local_params' (5.25)
     assert hy["model.layers.*.mlp.experts"]["region"]["kind"] == "ep_dispatch"

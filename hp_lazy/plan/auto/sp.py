@@ -117,11 +117,12 @@ def _whole_sequence(draft: Draft) -> list[str]:
             if parent.rpartition(".")[2] in ("*", "") or parent.rpartition(".")[2].isdigit():
                 draft.fail(rule, "puts a per-Linear gather/split straight under a layer, which sequence_parallel "
                            "would have to run whole; plan the layer's projections as colwise -> rowwise pairs")
-            held.setdefault(rule.prefix + parent, []).append((pattern, entry))
+            region = rule.prefix + parent
+            held.setdefault(_cp_attention_around(draft, region) or region, []).append((pattern, entry))
     for region, leaves in held.items():
         rule = leaves[0][1].rule
         assert rule is not None
-        parent = rule.key.rpartition(".")[0]
+        parent = region[len(rule.prefix):]
         known = draft.entries.get(region)
         inner = None
         if known is not None and known.kind == "attention" and set(known.body) == {"inner"}:
@@ -150,6 +151,16 @@ def _whole_sequence(draft: Draft) -> list[str]:
         draft.add(region, Entry(body, rule.owner, "whole_sequence", rule, cls))
         _container(draft, rule)
     return list(held)
+
+
+def _cp_attention_around(draft: Draft, region: str) -> str | None:
+    """The attention module enclosing ``region`` that carries cp's op alone (Qwen4-Exp's indexer,
+    whose projection is a leaf, sits in one): that module runs on the whole sequence under sequence
+    parallel anyway, so it is the region, and nothing inside it gathers the sequence again."""
+    for pattern, entry in draft.entries.items():
+        if entry.kind == "attention" and set(entry.body) == {"inner"} and region.startswith(pattern + "."):
+            return pattern
+    return None
 
 
 def _whole_body(x: str, out: str) -> dict:

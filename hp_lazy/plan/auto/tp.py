@@ -19,7 +19,8 @@
   model's head keeps its output sharded under ``loss_parallel``.
 - ``embedding_rowwise`` (and, as transformers does, the base model's ``embed_tokens`` when it is a
   plain ``nn.Embedding`` or a local subclass of it): vocab-parallel embedding, ``weight: S(0)``,
-  ``output: P(sum) -> R``.
+  ``output: P(sum) -> R``. ``embedding_colwise`` (5.25): a leaf cut along the features,
+  ``weight: S(1)``, ``output: S(-1) -> R`` (one all-gather; no vocabulary masking).
 - A norm the boundary's forward applies straight to a colwise projection's output
   (``self.q_norm(self.q_proj(x))``, no reshape between: ESM C, OLMo 2/3) normalises features tp
   splits: its ``weight``/``bias`` are cut ``S(0)`` like the projection's rows, and the runtime sums
@@ -60,7 +61,7 @@ GROUPED = COLWISE | ROWWISE | SUMMED
 LEAF = frozenset({"colwise_gather_output", "rowwise_split_input"})
 MOE = "moe_tp_experts"
 LOCAL, REPLICATE = "local_params", "replicate"
-SUPPORTED = GROUPED | LEAF | {"embedding_rowwise", MOE, LOCAL, REPLICATE}
+SUPPORTED = GROUPED | LEAF | {"embedding_rowwise", "embedding_colwise", MOE, LOCAL, REPLICATE}
 RAW_SHARDS = {"colwise": "S(-2)", "packed_colwise": "SS(-2,2)", "rowwise": "S(-1)", "packed_rowwise": "SS(-1,2)"}
 """A raw parameter's cut by style: transformers' ``ndim - 2`` for colwise, the last dim for rowwise."""
 VECTOR_SHARDS = {"colwise": "S(0)", "packed_colwise": "SS(0,2)"}
@@ -69,6 +70,13 @@ EMBEDDING_BODY = {
     "out_src": {"output": {"tp": "P(sum)"}}, "out_dst": {"output": {"tp": "R"}},
     "params": {"weight": {"tp": "S(0)"}},
 }
+EMBEDDING_COLWISE_BODY = {
+    "in_src": {"input": {"tp": "R"}}, "in_dst": {"input": {"tp": "R"}},
+    "out_src": {"output": {"tp": "S(-1)"}}, "out_dst": {"output": {"tp": "R"}},
+    "params": {"weight": {"tp": "S(1)"}},
+}
+"""``embedding_colwise`` (transformers 5.25, Qwen4-Exp's n-gram tables): each rank holds a slice of
+every row's features and looks up its slice; the slices are gathered."""
 
 
 def apply(draft: Draft, rules: list[Rule]) -> None:
@@ -77,7 +85,8 @@ def apply(draft: Draft, rules: list[Rule]) -> None:
         if not isinstance(rule.style, str) or rule.style not in SUPPORTED:
             draft.fail(rule, "is not a style Plan.auto translates (it handles colwise/packed_colwise -> "
                        "rowwise/packed_rowwise pairs, replicated_with_grad_allreduce, mla_kv_a_proj, "
-                       "colwise_gather_output, rowwise_split_input, embedding_rowwise, moe_tp_experts, "
+                       "colwise_gather_output, rowwise_split_input, embedding_rowwise, embedding_colwise, "
+                       "moe_tp_experts, "
                        "local_params and replicate)")
     ungathered = _ungathered(draft, [r for r in rules if r.style in LEAF])
     rules = [ungathered.get(id(r), r) for r in rules]
@@ -86,6 +95,8 @@ def apply(draft: Draft, rules: list[Rule]) -> None:
             draft.add(rule.pattern, Entry(_leaf(draft, rule), rule.owner, "leaf", rule))
         elif rule.style == "embedding_rowwise" and draft.flags.vocab_parallel_embedding:
             draft.add(rule.pattern, Entry(_embedding(draft, rule), rule.owner, "embedding", rule))
+        elif rule.style == "embedding_colwise":
+            draft.add(rule.pattern, Entry(_embedding(draft, rule, EMBEDDING_COLWISE_BODY), rule.owner, "leaf", rule))
     moe = {(r.base, r.key): r for r in rules if r.style == MOE}
     _Boundaries(draft, moe).add([r for r in rules if r.style in GROUPED])
     for rule in rules:
@@ -264,21 +275,21 @@ def _leaf(draft: Draft, rule: Rule) -> dict:
             "params": {"weight": {"tp": "S(0)"}, "bias": {"tp": "S(0)"}}, "optional_params": ["bias"]}
 
 
-def _embedding(draft: Draft, rule: Rule) -> dict:
+def _embedding(draft: Draft, rule: Rule, body: dict = EMBEDDING_BODY) -> dict:
     name = draft.class_of(rule, rule.key)
-    body = _embedding_body(draft, name)
-    if body is None:
+    found = _embedding_body(draft, name, body)
+    if found is None:
         draft.fail(rule, f"applies to class {name!r}; Plan.auto shards only nn.Embedding and its subclasses")
-    return body
+    return found
 
 
-def _embedding_body(draft: Draft, name: str | None) -> dict | None:
+def _embedding_body(draft: Draft, name: str | None, body: dict = EMBEDDING_BODY) -> dict | None:
     """nn.Embedding itself, or a local subclass (e.g. a scaled embedding), which is bound at run
-    time as a vocab-parallel leaf rather than rewritten."""
+    time as a leaf rather than rewritten."""
     plain = draft.is_embedding(name)
     if plain is None:
         return None
-    return EMBEDDING_BODY if plain else {**EMBEDDING_BODY, "skip_source_lowering": True}
+    return body if plain else {**body, "skip_source_lowering": True}
 
 
 def _implicit_embeddings(draft: Draft, rules: list[Rule]) -> None:
