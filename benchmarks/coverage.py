@@ -203,6 +203,11 @@ FAMILY_EXTRA: dict[str, dict[str, Any]] = {
     "qwen4_exp": dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=8, indexer_budget=4,
                       indexer_compress_ratio=2, hc_lowrank=8, ple_layer_ids=[1], ple_embed_dim=32, heads_per_ngram=2,
                       ngram_vocab_size_base=64, make_ngram_vocab_size_divisible_by=8, eos_token_id=2),
+    # MLA in both layer kinds (one K/V head per query head); its sliding layer's own sizes (per_layer_config)
+    # with head_dim = nope + rope, as its validator asks
+    "dots3_note": dict(per_layer_config={1: dict(num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16,
+                                                 kv_lora_rank=16, head_dim=8, qk_nope_head_dim=4, qk_rope_head_dim=4,
+                                                 v_head_dim=8)}),
     "cohere_compass": dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
 }
 FAMILY_MODEL: dict[str, tuple[str, str, str]] = {
