@@ -179,6 +179,15 @@ def compare(got: dict[str, Any], ref: dict[str, Any], floor: dict[str, float] | 
     return errors
 
 
+def float64_floor(path: str, ref: dict[str, Any], **options: Any) -> dict[str, float]:
+    """One process's own round-off, per entry: its float32 run ``ref`` against its float64 run
+    (``options`` go to ``from_pretrained``). ``compare`` lets an entry above TOL reach twice it."""
+    wide = models.run_training(models.load(path, "float64", **options), models.batch())
+    floor = relative_errors(ref, wide)
+    assert max(floor.values()) < 1e-3  # the model's own round-off, and it stays small
+    return floor
+
+
 def relative_errors(got: dict[str, Any], ref: dict[str, Any]) -> dict[str, float]:
     """The entries :func:`compare` checks, by name."""
     errors = {

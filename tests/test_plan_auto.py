@@ -396,6 +396,22 @@ def test_a_leaf_inside_attention_cp_splits_is_run_whole_with_it_under_sp() -> No
     Plan.auto(tp=2, cp=2, sequence_parallel=True).slice(*source("qwen4_exp"))  # passes its own check
 
 
+def test_the_token_mixer_around_leaves_is_the_module_run_whole() -> None:
+    """Under sequence parallel alone, Qwen4-Exp's n-gram table sits in a block whose class holds a
+    Conv1d (its dilated short convolution), and its indexer projection in an attention module: each
+    of those is the region run on the whole sequence, not the leaves' own module (the embedding, the
+    indexer), which would leave the convolution and the attention on this rank's piece. Its
+    hyper-connection blocks return three values along the sequence: each leaves as the piece."""
+    got = contracts("qwen4_exp", sequence_parallel=True)
+    whole = {"in_src": {"hidden_states": {"tp": "S(1)"}}, "in_dst": {"hidden_states": R},
+             "out_src": {"output": R}, "out_dst": {"output": {"tp": "S(1)"}}}
+    assert got["model.layers.*.ple"] == got["model.layers.*.self_attn"] == whole
+    assert "model.layers.*.ple.ple_embedding" not in got and "model.layers.*.self_attn.indexer" not in got
+    hyper = got["model.layers.*.attn_hyper_connection"]
+    assert hyper["out_src"] == {f"output{i}": R for i in ("", ".1", ".2")}
+    assert hyper["out_dst"] == {f"output{i}": {"tp": "S(1)"} for i in ("", ".1", ".2")}
+
+
 def test_experts_under_sequence_parallel_take_every_rank_rows() -> None:
     """Inside the sequence-split layer stack the experts' rows (and their top-k ids and weights)
     arrive cut over tp: gathered in, the partial sums reduce-scattered out."""

@@ -154,6 +154,22 @@ def test_modules_holding_per_linear_leaves_match_one_process(name: str, world: i
     assert len(errors) > 10 and max(errors.values()) <= parity.TOL
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_leaves_inside_a_token_mixer_run_whole_with_it(world: int, refs, pool2: DistPool, pool4: DistPool) -> None:
+    """Qwen4-Exp (transformers 5.25): its plan cuts an n-gram embedding table inside a block whose
+    dilated convolution and n-gram shifts run along the sequence, and an indexer projection inside
+    its attention; its hyper-connection blocks hold a split projection and return three values along
+    the sequence. Each block runs on the whole sequence (refused at bind before: the convolution on
+    this rank's piece) and each value it returns leaves as this rank's piece. One process's numbers,
+    the Gated DeltaNet's near-cancelling gradients within twice one process's own float32 floor."""
+    models.skip_unless_released("qwen4_exp")
+    path, ref = refs("qwen4_exp")
+    floor = parity.float64_floor(path, ref, experts_implementation="eager")
+    results = _pool(world, pool2, pool4).run(parity.train, path, models.batch())
+    errors = parity.compare(results[0], ref, floor)
+    assert len(errors) > 40 and all(errors[name] <= parity.TOL for name in ("logits", "loss", "losses"))
+
+
 @pytest.mark.parametrize(("name", "world"), [("qwen3_next", 2), ("qwen3_next", 4), ("bamba", 2)])
 def test_hybrids_with_a_padded_batch(name: str, world: int, root: str, pool2: DistPool, pool4: DistPool) -> None:
     """A padding mask beside a mixer run whole: each layer calls its attention or its recurrent mixer,

@@ -20,14 +20,6 @@ NAME = "qwen4_exp"
 TABLE = "model.layers.0.ple.ple_embedding.ngram_embedding"
 
 
-def _skip_unless_released() -> None:
-    """Qwen4-Exp first shipped with transformers 5.25; CI's 5.24 leg lacks it."""
-    import transformers
-
-    if not hasattr(transformers, models.MORE_CONFIGS[NAME][0]):
-        pytest.skip(f"{NAME}: transformers {transformers.__version__} has no {models.MORE_CONFIGS[NAME][0]}")
-
-
 def _train(rank: int, world: int, path: str, ids) -> dict:
     import hp_lazy
 
@@ -64,12 +56,9 @@ def ref(refs) -> tuple[str, dict, dict[str, float]]:
     (one process in float32 is 1.7e-4 from float64 on them), so each entry may reach twice its own
     floor where that is above 1e-5 (``parity.compare``); logits, loss and the steps' losses are held
     to 1e-5, and the table's gradient too."""
-    _skip_unless_released()
+    models.skip_unless_released(NAME)
     path, reference = refs(NAME)
-    wide = models.run_training(models.load(path, "float64", experts_implementation="eager"), models.batch())
-    floor = parity.relative_errors(reference, wide)
-    assert max(floor.values()) < 1e-3  # the model's own round-off, and it stays small
-    return path, reference, floor
+    return path, reference, parity.float64_floor(path, reference, experts_implementation="eager")
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -26,14 +26,6 @@ def tp4(pool4: DistPool, tmp_path_factory):
     return parity.once(pool4, epwork.activate, tp=4), str(tmp_path_factory.mktemp("models"))
 
 
-def _skip_unless_released(name: str) -> None:
-    """MiniCPM5-MoE (unit_colwise) first shipped with transformers 5.25; CI's 5.24 leg lacks it."""
-    import transformers
-
-    if not hasattr(transformers, models.MORE_CONFIGS[name][0]):
-        pytest.skip(f"{name}: transformers {transformers.__version__} has no {models.MORE_CONFIGS[name][0]}")
-
-
 def _experts(name: str) -> int:
     extra = models.MORE_CONFIGS[name][1]
     return extra.get("num_experts") or extra.get("num_local_experts") or extra["n_routed_experts"]
@@ -46,7 +38,7 @@ def test_tp2_matches_one_process(tp2, name: str, impl: str) -> None:
     """Qwen3-MoE (grouped_mm kernel), Qwen2-MoE (shared expert), GPT-OSS (expert biases, its
     router_indices / routing_weights names), GLM-4-MoE-Lite (MLA heads beside, sigmoid routing),
     MiniCPM5-MoE (transformers 5.25's unit_colwise K/V projections)."""
-    _skip_unless_released(name)
+    models.skip_unless_released(name)
     pool, root = tp2
     results, ref = epwork.check(pool, models.build(name, root), impl)
     assert results[0]["local_experts"] == [_experts(name) // 2] * len(ref["routing"])
@@ -56,7 +48,7 @@ def test_tp2_matches_one_process(tp2, name: str, impl: str) -> None:
                                             ("minicpm5_moe", "eager")])
 def test_tp4_matches_one_process(tp4, name: str, impl: str) -> None:
     """MiniCPM5-MoE at tp=4: 2 K/V heads, each on two ranks (what unit_colwise asks for)."""
-    _skip_unless_released(name)
+    models.skip_unless_released(name)
     pool, root = tp4
     results, ref = epwork.check(pool, models.build(name, root), impl)
     assert results[0]["local_experts"] == [_experts(name) // 4] * len(ref["routing"])

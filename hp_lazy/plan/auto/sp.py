@@ -11,8 +11,9 @@ each tp rank's own rows and dispatch them over the ep group (:func:`_own_rows`).
 
 A per-Linear gather or split inside a layer (``colwise_gather_output`` / ``rowwise_split_input``:
 Phi-3's fused ``qkv_proj``, Qwen3.5's and Qwen3-Next's Gated DeltaNet projections) needs every
-feature of every token, so the module holding it runs on the whole sequence, as it does under tp
-alone (:func:`_whole_sequence`): its input is all-gathered along the sequence (``x: S(1) -> R``, a
+feature of every token, so the module holding it (or the token mixer around that module: an attention
+module, a block holding a ``Conv1d``, :func:`_mixer_around`) runs on the whole sequence, as it does
+under tp alone (:func:`_whole_sequence`): its input is all-gathered along the sequence (``x: S(1) -> R``, a
 contract that shards nothing), its leaves keep their tp contracts, and its output is cut back to
 this rank's piece (``output: R -> S(1)``). Where its forward returns one leaf's output as it is,
 that leaf hands over this rank's piece itself: a reduce-scatter instead of an all-reduce for a
@@ -117,8 +118,7 @@ def _whole_sequence(draft: Draft) -> list[str]:
             if parent.rpartition(".")[2] in ("*", "") or parent.rpartition(".")[2].isdigit():
                 draft.fail(rule, "puts a per-Linear gather/split straight under a layer, which sequence_parallel "
                            "would have to run whole; plan the layer's projections as colwise -> rowwise pairs")
-            region = rule.prefix + parent
-            held.setdefault(_cp_attention_around(draft, region) or region, []).append((pattern, entry))
+            held.setdefault(_mixer_around(draft, rule, parent) or rule.prefix + parent, []).append((pattern, entry))
     for region, leaves in held.items():
         rule = leaves[0][1].rule
         assert rule is not None
@@ -146,6 +146,9 @@ def _whole_sequence(draft: Draft) -> list[str]:
                 entry.body["out_dst"]["output"] = {"tp": "S(1)"}
                 out = "S(1)"
         body = _whole_body(x, out)
+        for index in range(1, 0 if draft.calls_attention(cls) else _returned_count(draft, cls)):
+            body["out_src"][f"output.{index}"] = {"tp": "R"}  # each value it returns, this rank's piece
+            body["out_dst"][f"output.{index}"] = {"tp": "S(1)"}
         if inner is not None:  # an attention module under cp: its attention runs cp's op on the cp rows
             body["inner"] = inner
         draft.add(region, Entry(body, rule.owner, "whole_sequence", rule, cls))
@@ -153,14 +156,41 @@ def _whole_sequence(draft: Draft) -> list[str]:
     return list(held)
 
 
-def _cp_attention_around(draft: Draft, region: str) -> str | None:
-    """The attention module enclosing ``region`` that carries cp's op alone (Qwen4-Exp's indexer,
-    whose projection is a leaf, sits in one): that module runs on the whole sequence under sequence
-    parallel anyway, so it is the region, and nothing inside it gathers the sequence again."""
-    for pattern, entry in draft.entries.items():
-        if entry.kind == "attention" and set(entry.body) == {"inner"} and region.startswith(pattern + "."):
-            return pattern
+CONV1D = "torch.nn.Conv1d"
+
+
+def _mixer_around(draft: Draft, rule: Rule, parent: str) -> str | None:
+    """The outermost module below the layer, from the leaves' module up, that mixes tokens along the
+    sequence: it calls transformers' attention, or its class holds an ``nn.Conv1d``. Qwen4-Exp's
+    indexer projection sits in its attention, and its n-gram embedding table in a block whose dilated
+    convolution and n-gram shifts run along the sequence: that module is the region run on the whole
+    sequence, and nothing inside it gathers the sequence again (the leaves' own module alone would
+    leave the mixing on this rank's piece, refused at bind). Under cp the attention module carries
+    cp's op alone, which the region's contract takes over."""
+    segments = parent.split(".")
+    below = next((i for i, s in enumerate(segments) if s == "*" or s.isdigit()), None)
+    if below is None:
+        return None
+    for end in range(below + 2, len(segments) + 1):
+        names = draft.facts.resolve(rule.base, ".".join(segments[:end]))
+        cls = next(iter(names)) if len(names) == 1 else ""
+        if cls in draft.facts.classes and (draft.calls_attention(cls) or any(
+                r.name == CONV1D for refs in draft.facts.children(cls).values() for r in refs)):
+            return rule.prefix + ".".join(segments[:end])
     return None
+
+
+def _returned_count(draft: Draft, cls: str) -> int:
+    """How many values the forward of ``cls`` returns in its last statement (a tuple literal), 1
+    otherwise. A module run on the whole sequence that is not an attention module returns values
+    along the sequence in every position (Qwen4-Exp's hyper-connection blocks: the mixed input, the
+    streams and their injection weights): each is cut back to this rank's piece. An attention
+    module's second value is its attention weights, left as they are."""
+    forward = draft.facts.forward(cls)
+    last = forward.body[-1] if forward is not None and forward.body else None
+    if isinstance(last, ast.Return) and isinstance(last.value, ast.Tuple):
+        return len(last.value.elts)
+    return 1
 
 
 def _whole_body(x: str, out: str) -> dict:
