@@ -45,6 +45,7 @@ string, and pointing at an explicit JSON plan.
 from __future__ import annotations
 
 import ast
+import copy
 from dataclasses import replace
 
 from hp_lazy.plan.auto.draft import Draft, Entry
@@ -289,6 +290,7 @@ def _embedding_body(draft: Draft, name: str | None, body: dict = EMBEDDING_BODY)
     plain = draft.is_embedding(name)
     if plain is None:
         return None
+    body = copy.deepcopy(body)  # each entry its own: the sp preset edits a leaf's placements in place
     return body if plain else {**body, "skip_source_lowering": True}
 
 
