@@ -3,7 +3,8 @@ Qwen4-Exp's plan puts on its n-gram tables, about 45B parameters in the real mod
 ``1/tp`` of every row's features, looks up its slice, and one all-gather of the lookup joins the
 slices; the gradient of each rank's slice is its own. At tp=2 and 4 against one process: logits,
 loss, every gradient and 3 SGD+wd steps; the table's bytes per rank and the gather's bytes are
-asserted, and each rank reads only its slice of the table from the checkpoint. Negative control: the lookup's slices left unjoined break the model's next projection."""
+asserted, and each rank reads only its slice of the table from the checkpoint; the stock ``Trainer``
+trains it at tp=2 as one process does. Negative control: the lookup's slices left unjoined break the model's next projection."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import models
 import parity
 import pytest
 import test_load_sharded
+import trainwork
 from dist import DistPool, pool_fixture
 
 pool2 = pool_fixture(2, timeout=120)
@@ -90,6 +92,17 @@ def test_the_tables_are_read_as_slices(ref, pool2: DistPool) -> None:
     got = parity.activated(pool2, sequence_parallel=False).run(test_load_sharded._loaded, path, "float32")
     test_load_sharded._check(got, path, "float32")
     assert all(TABLE + ".weight" in result["shards"] for result in got)
+
+
+def test_the_stock_trainer_at_tp2(ref, pool2: DistPool, tmp_path) -> None:
+    """Through the user's stack: transformers' ``Trainer`` (default clipping at 1.0, which these steps
+    reach; SGD) at tp=2 against one process's Trainer: the logged losses and grad norms, and every
+    parameter after 3 steps."""
+    path, _, _ = ref
+    reference = trainwork.trainer(0, 1, path, str(tmp_path / "ref"))
+    assert reference["grad_norm"].min() > 1.0  # clipping changes these steps
+    got = parity.activated(pool2, sequence_parallel=False).run(trainwork.trainer, path, str(tmp_path / "hp"))
+    trainwork.compare_trainer(got[0], reference)
 
 
 def test_unjoined_slices_fail(ref, pool2: DistPool) -> None:
