@@ -235,8 +235,6 @@ MORE_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     # embedding, tied to the head, are planned like the encoder's
     "t5gemma": ("T5GemmaConfig", {"encoder": {**_T5GEMMA}, "decoder": {**_T5GEMMA}, "vocab_size": VOCAB,
                                   "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": True}),
-    # vision-language: a vision tower with its own config (2 blocks) beside the text stack; under
-    # cp the text stack splits and the tower runs whole (text-only batches; image inputs refused)
     # Qwen4-Exp (transformers 5.25): layer 0 Gated DeltaNet with per-layer n-gram embeddings (PLE: 4 hashed
     # n-gram heads of 8 features over tables of ~70 rows, transformers' embedding_colwise), layer 1 attention
     # whose QSA indexer keeps each row's top 2 blocks of 2 keys; 2 hyper-connection streams; MoE with a shared expert
@@ -250,6 +248,8 @@ MORE_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
                                          "hc_lowrank": 8, "ple_layer_ids": [1], "ple_embed_dim": 32,
                                          "heads_per_ngram": 2, "ngram_vocab_size_base": 64,
                                          "make_ngram_vocab_size_divisible_by": 8, "eos_token_id": 2}),
+    # vision-language: a vision tower with its own config (2 blocks) beside the text stack; under
+    # cp the text stack splits and the tower runs whole (text-only batches; image inputs refused)
     "qwen2_vl": ("Qwen2VLConfig", {
         "text_config": {"head_dim": 8, "num_key_value_heads": 2,
                         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}},

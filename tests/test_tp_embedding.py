@@ -4,7 +4,8 @@ Qwen4-Exp's plan puts on its n-gram tables, about 45B parameters in the real mod
 slices; the gradient of each rank's slice is its own. At tp=2 and 4 against one process: logits,
 loss, every gradient and 3 SGD+wd steps; the table's bytes per rank and the gather's bytes are
 asserted, and each rank reads only its slice of the table from the checkpoint; the stock ``Trainer``
-trains it at tp=2 as one process does. Negative control: the lookup's slices left unjoined break the model's next projection."""
+trains it at tp=2 as one process does. Negative control: the lookup's slices left unjoined break the
+model's next projection."""
 
 from __future__ import annotations
 
