@@ -24,13 +24,12 @@ gradient stays this rank's rows.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 
 from hp_lazy.runtime.comm import wire
-from hp_lazy.runtime.tp.logprobs import HeadGrads, Transform, VocabShard, _chunks, _compute_dtype, _logits
+from hp_lazy.runtime.tp.logprobs import HeadGrads, Transform, VocabShard, compute_dtype, head_logits, row_chunks
 
 
 def per_token(
@@ -46,18 +45,13 @@ def per_token(
                                           teacher_weight, teacher_bias, shard, beta, student, teacher)
 
 
-def _row_chunks(n: int, cols: int) -> Iterator[slice]:
-    step = _chunks(n, cols).step
-    return (slice(lo, min(lo + step, n)) for lo in range(0, n, step))
-
-
 def _log_probs(ctx_like: tuple, rows: slice, log_z_s: torch.Tensor, log_z_t: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """This rank's ``(raw student logits, log p_s, log p_t)`` of ``rows``."""
     hs, ws, bs, ht, wt, bt, student, teacher, dtypes = ctx_like
-    xs = _logits(hs[rows], ws, bs, dtypes[0])
+    xs = head_logits(hs[rows], ws, bs, dtypes[0])
     log_ps = student(xs) - log_z_s[rows].unsqueeze(-1)
-    log_pt = teacher(_logits(ht[rows], wt, bt, dtypes[1])) - log_z_t[rows].unsqueeze(-1)
+    log_pt = teacher(head_logits(ht[rows], wt, bt, dtypes[1])) - log_z_t[rows].unsqueeze(-1)
     return xs, log_ps, log_pt
 
 
@@ -70,19 +64,19 @@ class _VocabParallelDivergence(torch.autograd.Function):
     def forward(ctx, hs, ws, bs, ht, wt, bt, shard: VocabShard, beta: float, student: Transform, teacher: Transform):
         ctx.set_materialize_grads(False)
         n, cols, g = hs.shape[0], ws.shape[0], shard.group
-        dtypes = _compute_dtype(hs), _compute_dtype(ht)
+        dtypes = compute_dtype(hs), compute_dtype(ht)
         maxima = torch.full((2, n), -math.inf, device=hs.device, dtype=torch.float32)
-        for rows in _row_chunks(n, cols):
-            maxima[0, rows] = student(_logits(hs[rows], ws, bs, dtypes[0])).amax(-1)
-            maxima[1, rows] = teacher(_logits(ht[rows], wt, bt, dtypes[1])).amax(-1)
+        for rows in row_chunks(n, cols):
+            maxima[0, rows] = student(head_logits(hs[rows], ws, bs, dtypes[0])).amax(-1)
+            maxima[1, rows] = teacher(head_logits(ht[rows], wt, bt, dtypes[1])).amax(-1)
         if g.size > 1:
             wire.all_reduce(maxima, g, "forward", dist.ReduceOp.MAX)
         sums = torch.zeros(3, n, device=hs.device, dtype=torch.float32)  # sum e_s, sum e_s z_s, sum e_t
-        for rows in _row_chunks(n, cols):
-            zs = student(_logits(hs[rows], ws, bs, dtypes[0]))
+        for rows in row_chunks(n, cols):
+            zs = student(head_logits(hs[rows], ws, bs, dtypes[0]))
             es = torch.exp(zs - maxima[0, rows].unsqueeze(-1))
             sums[0, rows], sums[1, rows] = es.sum(-1), (es * zs).sum(-1)
-            zt = teacher(_logits(ht[rows], wt, bt, dtypes[1]))
+            zt = teacher(head_logits(ht[rows], wt, bt, dtypes[1]))
             sums[2, rows] = torch.exp(zt - maxima[1, rows].unsqueeze(-1)).sum(-1)
         if g.size > 1:
             wire.all_reduce(sums, g, "forward")
@@ -90,7 +84,7 @@ class _VocabParallelDivergence(torch.autograd.Function):
         entropy = log_z_s - sums[1] / sums[0]
         parts = torch.zeros(2, n, device=hs.device, dtype=torch.float32)  # the divergence, KL(p_s || m)
         inputs = (hs, ws, bs, ht, wt, bt, student, teacher, dtypes)
-        for rows in _row_chunks(n, cols):
+        for rows in row_chunks(n, cols):
             _, log_ps, log_pt = _log_probs(inputs, rows, log_z_s, log_z_t)
             if beta == 0.0:
                 parts[0, rows] = (log_pt.exp() * (log_pt - log_ps)).sum(-1)
@@ -118,7 +112,7 @@ class _VocabParallelDivergence(torch.autograd.Function):
         (student, teacher), beta, shard = ctx.transforms, ctx.beta, ctx.shard
         grads = HeadGrads(ctx.needs_input_grad[:3], hs, ws, bs)
         inputs = (hs, ws, bs, ht, wt, bt, student, teacher, ctx.dtypes)
-        for rows in _row_chunks(hs.shape[0], ws.shape[0]):
+        for rows in row_chunks(hs.shape[0], ws.shape[0]):
             xs, log_ps, log_pt = _log_probs(inputs, rows, log_z_s, log_z_t)
             ps = log_ps.exp()
             if beta == 0.0:

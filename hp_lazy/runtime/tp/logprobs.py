@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -115,12 +116,14 @@ def per_token(
     return _VocabParallelLogProbs.apply(hidden, weight, bias, targets, shard, transform, tuple(outputs))
 
 
-def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
+def compute_dtype(hidden: torch.Tensor) -> torch.dtype:
     kind = hidden.device.type
     return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else hidden.dtype
 
 
-def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+def head_logits(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype
+) -> torch.Tensor:
     """This rank's raw logits of ``hidden`` rows, as the one-process kernel forms them (in the
     compute dtype), in fp32."""
     x = hidden.to(dtype) @ weight.to(dtype).t()
@@ -129,8 +132,10 @@ def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return x.float()
 
 
-def _chunks(n: int, cols: int) -> range:
-    return range(0, n, max(1, _CHUNK_ELEMENTS // max(cols, 1)))
+def row_chunks(n: int, cols: int) -> Iterator[slice]:
+    """Slices of ``n`` rows, each at most ``_CHUNK_ELEMENTS`` of this rank's ``[rows, cols]`` logits."""
+    step = max(1, _CHUNK_ELEMENTS // max(cols, 1))
+    return (slice(lo, min(lo + step, n)) for lo in range(0, n, step))
 
 
 class HeadGrads:
@@ -168,23 +173,21 @@ class _VocabParallelLogProbs(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, targets, shard: VocabShard, transform: Transform, outputs):
         ctx.set_materialize_grads(False)
         n, cols, g = hidden.shape[0], weight.shape[0], shard.group
-        dtype = _compute_dtype(hidden)
+        dtype = compute_dtype(hidden)
         stats = torch.zeros(7, n, device=hidden.device, dtype=torch.float32)
         top, before, sum_exp, x_sum, sq_sum, z_sum, target = stats  # views
-        step = _chunks(n, cols).step
         columns = torch.arange(shard.start, shard.start + cols, device=hidden.device)
-        for lo in range(0, n, step):
-            hi = min(lo + step, n)
-            z = transform(_logits(hidden[lo:hi], weight, bias, dtype))
-            t = targets[lo:hi]
-            top[lo:hi] = z.amax(-1)
-            before[lo:hi] = z.masked_fill(columns >= t.unsqueeze(-1), -math.inf).amax(-1)
-            e = torch.exp(z - top[lo:hi].unsqueeze(-1))
-            sum_exp[lo:hi], x_sum[lo:hi], sq_sum[lo:hi] = e.sum(-1), (e * z).sum(-1), (e * e).sum(-1)
-            z_sum[lo:hi] = z.sum(-1)
+        for rows in row_chunks(n, cols):
+            z = transform(head_logits(hidden[rows], weight, bias, dtype))
+            t = targets[rows]
+            top[rows] = z.amax(-1)
+            before[rows] = z.masked_fill(columns >= t.unsqueeze(-1), -math.inf).amax(-1)
+            e = torch.exp(z - top[rows].unsqueeze(-1))
+            sum_exp[rows], x_sum[rows], sq_sum[rows] = e.sum(-1), (e * z).sum(-1), (e * e).sum(-1)
+            z_sum[rows] = z.sum(-1)
             mine = (t >= shard.start) & (t < shard.start + cols)
             picked = z.gather(-1, (t - shard.start).clamp(0, cols - 1).unsqueeze(-1)).squeeze(-1)
-            target[lo:hi] = torch.where(mine, picked, 0.0)
+            target[rows] = torch.where(mine, picked, 0.0)
         local_top = top.clone()
         if g.size > 1:
             wire.all_reduce(stats[:2], g, "forward", dist.ReduceOp.MAX)
@@ -212,17 +215,15 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         grads = HeadGrads(ctx.needs_input_grad[:3], hidden, weight, bias)
         n, cols = hidden.shape[0], weight.shape[0]
         columns = torch.arange(shard.start, shard.start + cols, device=hidden.device)
-        step = _chunks(n, cols).step
-        for lo in range(0, n, step):
-            hi = min(lo + step, n)
-            x = _logits(hidden[lo:hi], weight, bias, dtype)
-            log_p = transform(x) - log_z[lo:hi].unsqueeze(-1)
+        for rows in row_chunks(n, cols):
+            x = head_logits(hidden[rows], weight, bias, dtype)
+            log_p = transform(x) - log_z[rows].unsqueeze(-1)
             p = log_p.exp()
             dz = torch.zeros_like(p)
             if d_log_probs is not None:
-                onehot = (columns == targets[lo:hi].unsqueeze(-1)).float()
-                dz += d_log_probs[lo:hi].float().unsqueeze(-1) * (onehot - p)
+                onehot = (columns == targets[rows].unsqueeze(-1)).float()
+                dz += d_log_probs[rows].float().unsqueeze(-1) * (onehot - p)
             if d_entropy is not None:
-                dz -= d_entropy[lo:hi].float().unsqueeze(-1) * p * (log_p + entropy[lo:hi].unsqueeze(-1))
-            grads.add(slice(lo, hi), transform.backward(x, dz))
+                dz -= d_entropy[rows].float().unsqueeze(-1) * p * (log_p + entropy[rows].unsqueeze(-1))
+            grads.add(rows, transform.backward(x, dz))
         return (*grads.result(shard.group), None, None, None, None)
