@@ -33,6 +33,7 @@ __all__ = [
     "mesh",
     "no_sync",
     "parallelize",
+    "whole_outputs",
 ]
 
 _LAZY = {
@@ -50,6 +51,7 @@ _LAZY = {
     "no_sync": "hp_lazy.api",
     "collective_counter": "hp_lazy.runtime.comm",
     "mesh": "hp_lazy.api",
+    "whole_outputs": "hp_lazy.api",
 }
 
 

@@ -90,6 +90,7 @@ def activate(
     when_imported("accelerate.accelerator", _integrate_accelerate)  # before install: its finder stays first
     when_imported("transformers.trainer", _integrate_trainer)
     when_imported("trl.trainer.utils", _integrate_trl)
+    when_imported("trl.trainer.sft_trainer", _integrate_trl_sft)
     from hp_lazy.integrations import ONLINE_CONFIGS, ONLINE_TRAINERS  # names only: no torch import
 
     for name in (*ONLINE_CONFIGS, *ONLINE_TRAINERS):
@@ -155,6 +156,13 @@ def _integrate_trl(module: ModuleType) -> None:
     from hp_lazy.integrations import trl
 
     trl.install(module)
+
+
+def _integrate_trl_sft(module: ModuleType) -> None:
+    """``SFTTrainer``'s predictions and losses from the logits: see :func:`hp_lazy.integrations.trl.install_sft`."""
+    from hp_lazy.integrations import trl
+
+    trl.install_sft(module)
 
 
 def _integrate_trl_online(module: ModuleType) -> None:
@@ -245,6 +253,20 @@ def gather_sequence(tensor: torch.Tensor, dim: int = 1) -> torch.Tensor:
     from hp_lazy.runtime.cp.gather import gather_sequence as gather
 
     return gather(tensor, mesh().group("cp"), dim)
+
+
+@contextlib.contextmanager
+def whole_outputs() -> Iterator[None]:
+    """Inside the block, a bound model's forward returns one process's per-token outputs on every
+    rank: under context parallel the whole sequence in order (``out.logits``, hidden states), under
+    loss parallel the logits over the whole vocabulary. Collectives, autograd-aware: a loss the
+    caller computes from them on every rank trains as one process's. For code that reads the
+    outputs itself (metrics, a loss of its own); the Trainer's predictions and custom losses use it.
+    Outside it they stay cut (:func:`gather_sequence`)."""
+    from hp_lazy.runtime.outputs import whole
+
+    with whole():
+        yield
 
 
 def clip_grad_norm_(

@@ -39,6 +39,9 @@ LEAF_INPUTS = "_hp_inputs"
 VOCAB_RANGE = "_hp_vocab"
 """Vocab-parallel embedding: ``(start, end, vocab, padding_idx)``: its rows ``[start, end)``, the
 whole vocabulary's size and padding id."""
+VOCAB_SHARDED = "_hp_vocab_sharded"
+"""Bound root's ``__dict__`` key under loss parallel: the tp group its logits stay cut over (the head's
+vocab columns), for :mod:`hp_lazy.runtime.outputs`."""
 CP_ENTRY = "_hp_cp_entry"
 """Bound root's ``__dict__`` key: its context-parallel :class:`~hp_lazy.runtime.cp.entry.ContextEntry`."""
 EP_DISPATCH = "_hp_ep"

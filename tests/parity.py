@@ -85,6 +85,49 @@ def train_loaded(rank: int, world: int, path: str, ids) -> dict[str, Any]:
     return result if rank == 0 else {"loss": result["loss"], "logits": result["logits"]}
 
 
+def users_loss(out, ids):
+    """A loss of the user's, computed outside the model from its outputs: next-token cross-entropy
+    with label smoothing 0.1 over the whole sequence and vocabulary, plus the mean square of the
+    first layer's output (a hidden state)."""
+    import torch.nn.functional as F
+
+    logits = out.logits[:, :-1].flatten(0, 1)
+    return F.cross_entropy(logits, ids[:, 1:].flatten(), label_smoothing=0.1) + out.hidden_states[1].pow(2).mean()
+
+
+def whole_outputs_loss(rank: int, world: int, path: str, ids, whole: bool = True,
+                       backward: bool = True) -> dict[str, Any]:
+    """``with hp_lazy.whole_outputs(): out = model(input_ids=ids, output_hidden_states=True)`` (no
+    labels), then :func:`users_loss` of ``out`` on every rank and its backward: the logits, the
+    hidden states, the loss, every gradient, and the forward's all-gather payload. ``whole=False``:
+    the forward without the block; ``backward=False``: the outputs and the payload only."""
+    import hp_lazy
+
+    model = _load(path)
+    if world > 1:
+        hp_lazy.parallelize(model)  # bound before counting
+    with hp_lazy.collective_counter() as counter, hp_lazy.whole_outputs() if whole else contextlib.nullcontext():
+        out = model(input_ids=ids, output_hidden_states=True)
+    result: dict[str, Any] = {"logits": out.logits.detach(), "hidden": [h.detach() for h in out.hidden_states],
+                              "gathered": counter.bytes_of("all_gather")}
+    if not backward:
+        return result
+    loss = users_loss(out, ids)
+    loss.backward()
+    return {**result, "loss": loss.detach(), "grads": hp_lazy.full_grads(model)}
+
+
+def compare_whole(got: dict[str, Any], ref: dict[str, Any]) -> None:
+    """:func:`whole_outputs_loss` of a rank against one process's: logits, hidden states, loss, every gradient."""
+    assert [h.shape for h in got["hidden"]] == [h.shape for h in ref["hidden"]], [h.shape for h in got["hidden"]]
+    assert got["logits"].shape == ref["logits"].shape, (got["logits"].shape, ref["logits"].shape)
+    errors = {"logits": models.rel_err(got["logits"], ref["logits"]), "loss": models.rel_err(got["loss"], ref["loss"])}
+    errors.update({f"hidden {i}": models.rel_err(g, h) for i, (g, h) in enumerate(zip(got["hidden"], ref["hidden"], strict=True))})
+    errors.update({f"grad {n}": models.rel_err(got["grads"][n], g) for n, g in ref["grads"].items()})
+    bad = {k: v for k, v in errors.items() if not v <= TOL}
+    assert not bad, f"relative errors above {TOL}: {bad}"
+
+
 def count(rank: int, world: int, path: str, ids) -> dict[str, dict[str, int]]:
     """Collectives of one forward and one backward, after the model is bound."""
     import hp_lazy

@@ -289,6 +289,53 @@ def test_stock_trainer_with_gradient_checkpointing_under_cp(ready, tmp_path) -> 
     trainwork.compare_trainer(got[0], ref)
 
 
+@pytest.mark.parametrize(("name", "rows"), [("llama_gqa", 6),  # the last batch cut
+                                            ("qwen3_moe_aux", 8)])  # the router logits, [batch * rows, experts]
+def test_trainer_predictions_under_cp(ready, tmp_path, name: str, rows: int) -> None:
+    """``compute_metrics`` and ``Trainer.predict`` read one process's logits: the whole sequence in
+    order, on every rank (the negative control, the Trainer's own ``prediction_step``, hands it
+    rank 0's zigzag rows: half the sequence, silently)."""
+    import trainwork
+
+    pool, root = ready
+    path = models.build(name, root)
+    ref = trainwork.predict(0, 1, path, str(tmp_path / "ref"), rows=rows)
+    for got in pool.run(trainwork.predict, path, str(tmp_path / "hp"), rows=rows):
+        trainwork.compare_predictions(got, ref)
+    stock = pool.run(trainwork.predict, path, str(tmp_path / "stock"), stock=True, rows=rows)[0]
+    assert list(stock["logits"].shape) == [rows, 8, models.VOCAB]
+
+
+@pytest.mark.parametrize("option", [{"label_smoothing": 0.1}, {"loss_func": True}], ids=["label_smoothing", "compute_loss_func"])
+def test_trainer_loss_from_the_logits_under_cp(ready, tmp_path, option: dict) -> None:
+    """Label smoothing and a ``compute_loss_func`` compute the loss outside the model, from the
+    logits and the whole labels: 3 steps of one process's losses, grad norms and parameters."""
+    import trainwork
+
+    pool, root = ready
+    path = models.build("llama_gqa", root)
+    ref = trainwork.trainer(0, 1, path, str(tmp_path / "ref"), **option)
+    trainwork.compare_trainer(pool.run(trainwork.trainer, path, str(tmp_path / "hp"), **option)[0], ref)
+
+
+def test_whole_outputs_for_a_loss_of_the_users(ready) -> None:
+    """``hp_lazy.whole_outputs()``: the logits and hidden states of the whole sequence on both ranks,
+    a loss of the user's from them, one process's gradients; the block adds one all-gather of this
+    rank's rows of each, no more. Without it they are this rank's rows."""
+    pool, root = ready
+    path, ids = models.build("llama_gqa", root), models.batch()
+    ref = parity.whole_outputs_loss(0, 1, path, ids)
+    got = pool.run(parity.whole_outputs_loss, path, ids)
+    for result in got:
+        parity.compare_whole(result, ref)
+    cut = pool.run(parity.whole_outputs_loss, path, ids, whole=False, backward=False)
+    batch, seq = ids.shape
+    assert [list(c["logits"].shape) for c in cut] == [[batch, seq // 2, models.VOCAB]] * 2
+    states = models.BASE["num_hidden_layers"] + 1  # each [batch, seq / 2, hidden] gathered too
+    per_token = models.VOCAB + states * models.BASE["hidden_size"]
+    assert [g["gathered"] - c["gathered"] for g, c in zip(got, cut, strict=True)] == [batch * seq // 2 * per_token * 4] * 2
+
+
 def test_mla_gathers_the_compressed_latent(ready) -> None:
     """MLA (DeepSeek-V2): the latent and the shared RoPE key travel (kv_lora_rank + qk_rope_head_dim
     values per token), not the heads' expanded K/V; the same gradients as gathering K/V."""

@@ -1,5 +1,6 @@
 """Context parallel at world 4: cp=2 x tp=2, cp=4, and dp=2 x cp=2, against one process (loss,
-gathered logits, every gradient, 3 SGD steps); one pool per layout, each with its own plan."""
+gathered logits, every gradient, 3 SGD steps; the Trainer's predictions); one pool per layout, each
+with its own plan."""
 
 from __future__ import annotations
 
@@ -55,3 +56,16 @@ def test_dp2_cp2(dp2cp2: DistPool, root: str) -> None:
         assert models.rel_err(got["state"][name], value) <= parity.TOL, name
     for r in results:  # each rank's gathered logits are its dp group's rows
         assert models.rel_err(r["logits"], ref["logits"][r["dp_rank"] : r["dp_rank"] + 1]) <= parity.TOL
+
+
+@pytest.mark.parametrize(("layout", "cp", "tp"), [("cp2tp2", 2, 2), ("dp2cp2", 2, 1)])
+def test_trainer_predictions(request, root: str, tmp_path, layout: str, cp: int, tp: int) -> None:
+    """``compute_metrics`` and ``Trainer.predict``: one process's logits and metrics on every rank,
+    the last batch cut (under dp=2 x cp=2, each dp rank's rows gathered whole over cp, then over dp)."""
+    import trainwork
+
+    pool = _ready(request.getfixturevalue(layout), cp, tp)
+    path = models.build("llama_gqa", root)
+    ref = trainwork.predict(0, 1, path, str(tmp_path / "ref"))
+    for got in pool.run(trainwork.predict, path, str(tmp_path / "hp")):
+        trainwork.compare_predictions(got, ref)

@@ -41,6 +41,35 @@ def test_collectives_sequence_parallel(world: int, refs, pool2: DistPool, pool4:
     assert all(c == counts[0] for c in counts)
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_hidden_states_are_whole(world: int, refs, pool2: DistPool, pool4: DistPool) -> None:
+    """``output_hidden_states=True``: transformers records each layer's input, this rank's piece
+    between the boundaries; they come back whole (they were pieces, silently), and a loss of the
+    user's on them trains as one process's. Per recorded piece one all-gather of its bytes."""
+    path, _ = refs("llama")
+    ids = models.batch()
+    ref = parity.whole_outputs_loss(0, 1, path, ids, whole=False)
+    got = _pool(world, pool2, pool4).run(parity.whole_outputs_loss, path, ids, whole=False)
+    for result in got:
+        parity.compare_whole(result, ref)
+    layers, hidden = models.BASE["num_hidden_layers"], models.BASE["hidden_size"]
+    piece = ids.numel() // world * hidden * 4  # bytes of one [batch, seq / tp, hidden] piece
+    logits = ids.numel() * models.VOCAB // world * 4  # the head's columns
+    # as in training: the blocks' gathers (2 per layer), the stack's exit and the head; then the
+    # pieces recorded at each layer's input
+    assert [g["gathered"] for g in got] == [(2 * layers + 1) * piece + logits + layers * piece] * world
+    pieces = _pool(world, pool2, pool4).run(_unjoined, path, ids)[0]["hidden"]  # the negative control
+    assert [h.shape[1] for h in pieces] == [ids.shape[1] // world] * layers + [ids.shape[1]]
+
+
+def _unjoined(rank: int, world: int, path: str, ids) -> dict:
+    """The recorded hidden states as transformers leaves them under sequence parallel."""
+    from hp_lazy.runtime.sp import stack
+
+    with parity.swapped(stack, "_joined", lambda binding, layers, state, group, whole: state):
+        return parity.whole_outputs_loss(rank, world, path, ids, whole=False, backward=False)
+
+
 def _generate(rank: int, world: int, path: str):
     return parity._load(path).generate(models.batch()[:1, :8], max_new_tokens=2, do_sample=False)
 

@@ -1,8 +1,8 @@
 """TRL under context parallel (cp=2 at world 2, both ranks passing the same full batch): TRL's fused
 LM head runs on each rank's zigzag rows (hp_lazy's entry splits the fused call and hands TRL
 pre-shifted labels), its per-token outputs come back whole. ``SFTTrainer`` (plain, packing,
-completion-only; packing on Kolibri 1.1's sparse attention) and the fused head in a user loop, against
-one process. GRPO, RLOO and DistillationTrainer, which generate, are refused by name."""
+completion-only, label smoothing, a ``compute_loss_func``; packing on Kolibri 1.1's sparse attention;
+its predictions) and the fused head in a user loop, against one process. GRPO, RLOO and DistillationTrainer, which generate, are refused by name."""
 
 from __future__ import annotations
 
@@ -29,8 +29,9 @@ def ready(pool2: DistPool, model_path: str):
     return parity.once(pool2, cpwork.activate, 2, 1), model_path
 
 
-@pytest.mark.parametrize("variant", [{}, {"packing": True}, {"completion_only": True}],
-                         ids=["plain", "packing", "completion_only"])
+@pytest.mark.parametrize("variant", [{}, {"packing": True}, {"completion_only": True},
+                                     {"label_smoothing": 0.1}, {"loss_func": True}],  # the loss from the logits
+                         ids=["plain", "packing", "completion_only", "label_smoothing", "compute_loss_func"])
 def test_sft_trainer_under_cp(ready, tmp_path, variant: dict) -> None:
     pool, path = ready
     ref = trlwork.sft(0, 1, path, str(tmp_path / "ref"), **variant)
@@ -49,6 +50,17 @@ def test_sft_trainer_packing_under_cp_with_a_selection_mask_indexer(ready, tmp_p
     got = pool.run(trlwork.sft, path, str(tmp_path / "hp"), packing=True)
     trlwork.compare(got[0], ref)
     trlwork.compare(got[1], {k: v for k, v in ref.items() if k != "state"})
+
+
+def test_sft_trainer_predictions_under_cp(ready, tmp_path) -> None:
+    """``SFTTrainer``'s ``compute_metrics`` and ``predict``: one process's logits, the whole sequence
+    (its ``prediction_step`` recomputes them without labels, outside the fused head)."""
+    import trainwork
+
+    pool, path = ready
+    ref = trlwork.sft_predict(0, 1, path, str(tmp_path / "ref"))
+    for got in pool.run(trlwork.sft_predict, path, str(tmp_path / "hp")):
+        trainwork.compare_predictions(got, ref)
 
 
 def test_fused_head_user_loop_under_cp(ready) -> None:

@@ -45,14 +45,27 @@ class Rows:
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
+def shifted_ce(outputs, labels, num_items_in_batch=None):
+    """A ``compute_loss_func``: next-token cross-entropy from ``outputs.logits``, summed over the
+    global count of labels when the Trainer passes it (as transformers' own causal-LM loss)."""
+    import torch.nn.functional as F
+
+    logits, targets = outputs["logits"][:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten()
+    if num_items_in_batch is None:
+        return F.cross_entropy(logits, targets)
+    return F.cross_entropy(logits, targets, reduction="sum") / num_items_in_batch
+
+
 def trainer(rank: int, world: int, path: str, out: str, optim: str = "sgd", ga: int = 1,
             parallelize: bool = False, max_grad_norm: float = 1.0, data_parallel: bool | None = None,
-            lora: bool = False, gradient_checkpointing: bool = False, torch_compile: str | None = None
-            ) -> dict[str, Any]:
+            lora: bool = False, gradient_checkpointing: bool = False, torch_compile: str | None = None,
+            label_smoothing: float = 0.0, loss_func: bool = False) -> dict[str, Any]:
     """``Trainer(model=model, args=TrainingArguments(...), train_dataset=...).train()``, 3 steps;
     every rank returns its log (loss and grad_norm per step), rank 0 the full parameters too.
     ``lora``: the model is PEFT's ``get_peft_model`` of the loaded one (adapters trained, base frozen);
-    ``torch_compile``: ``TrainingArguments(torch_compile=True, torch_compile_backend=...)``."""
+    ``torch_compile``: ``TrainingArguments(torch_compile=True, torch_compile_backend=...)``;
+    ``label_smoothing``: ``label_smoothing_factor``, and ``loss_func``: ``compute_loss_func=shifted_ce``
+    (both compute the loss outside the model, from the logits)."""
     import test_peft
     import torch
     from transformers import Trainer, TrainingArguments
@@ -69,10 +82,10 @@ def trainer(rank: int, world: int, path: str, out: str, optim: str = "sgd", ga: 
         output_dir=out, per_device_train_batch_size=GLOBAL_BATCH // (_dp_size() * ga), gradient_accumulation_steps=ga,
         max_steps=3, logging_steps=1, report_to=[], optim=optim, learning_rate=lr, weight_decay=0.01,
         max_grad_norm=max_grad_norm, save_strategy="no", use_cpu=True, disable_tqdm=True,
-        gradient_checkpointing=gradient_checkpointing,
+        gradient_checkpointing=gradient_checkpointing, label_smoothing_factor=label_smoothing,
         **({"torch_compile": True, "torch_compile_backend": torch_compile} if torch_compile else {}),
     )
-    run = Trainer(model=model, args=args, train_dataset=Rows())
+    run = Trainer(model=model, args=args, train_dataset=Rows(), compute_loss_func=shifted_ce if loss_func else None)
     run.train()
     logged = [h for h in run.state.log_history if "loss" in h]
     result: dict[str, Any] = {
@@ -90,8 +103,61 @@ def trainer(rank: int, world: int, path: str, out: str, optim: str = "sgd", ga: 
 class FewRows(Rows):
     """6 rows: the last evaluation batch of 4 is cut to 2 (``gather_for_metrics``'s remainder)."""
 
+    def __init__(self, rows: int = 6) -> None:
+        super().__init__()
+        self.rows = rows
+
     def __len__(self) -> int:
-        return 6
+        return self.rows
+
+
+def token_metrics(prediction) -> dict[str, float]:
+    """A ``compute_metrics``: next-token accuracy and the mean logit, over every prediction."""
+    logits, labels = _logits(prediction.predictions), prediction.label_ids
+    return {"accuracy": float((logits[:, :-1].argmax(-1) == labels[:, 1:]).mean()), "mean_logit": float(logits.mean())}
+
+
+def predict(rank: int, world: int, path: str, out: str, stock: bool = False, rows: int = 6) -> dict[str, Any]:
+    """``Trainer(..., compute_metrics=token_metrics)``: ``.evaluate()``'s metrics and ``.predict()``'s
+    logits, on :class:`FewRows` (the last global batch cut). ``stock``: ``.predict()``'s logits
+    through the Trainer's own ``prediction_step``, without hp_lazy's (the negative control)."""
+    import torch
+    from transformers import Trainer, TrainingArguments
+
+    args = TrainingArguments(output_dir=out, per_device_eval_batch_size=GLOBAL_BATCH // _dp_size(), report_to=[],
+                             use_cpu=True, disable_tqdm=True)
+    run = Trainer(model=parity._load(path), args=args, eval_dataset=FewRows(rows), compute_metrics=token_metrics)
+    if stock:  # the metrics would not run: the labels are whole, the logits cut
+        run.compute_metrics = None
+        with parity.swapped(Trainer, "prediction_step", Trainer.prediction_step.__wrapped__):
+            return {"logits": torch.as_tensor(_logits(run.predict(FewRows(rows)).predictions))}
+    metrics = run.evaluate()
+    predicted = run.predict(FewRows(rows))
+    return {"metrics": {k: metrics[f"eval_{k}"] for k in ("loss", "accuracy", "mean_logit")},
+            "logits": torch.as_tensor(_logits(predicted.predictions)), "labels": torch.as_tensor(predicted.label_ids),
+            "others": [torch.as_tensor(x) for x in _leaves(predicted.predictions) if x.ndim != 3]}
+
+
+def _logits(predictions: Any) -> Any:
+    """The logits, ``[rows, seq, vocab]``, among the predictions (an MoE's aux loss and router logits beside them)."""
+    return next(leaf for leaf in _leaves(predictions) if leaf.ndim == 3)
+
+
+def _leaves(value: Any) -> list[Any]:
+    if isinstance(value, (tuple, list)):
+        return [leaf for v in value for leaf in _leaves(v)]
+    return [value]
+
+
+def compare_predictions(got: dict[str, Any], ref: dict[str, Any]) -> None:
+    """:func:`predict` on a rank against one process's: every prediction field, the labels, the metrics."""
+    assert len(got["others"]) == len(ref["others"]), (len(got["others"]), len(ref["others"]))
+    for mine, want in zip([got["logits"], *got["others"]], [ref["logits"], *ref["others"]], strict=True):
+        assert mine.shape == want.shape, (mine.shape, want.shape)
+        assert models.rel_err(mine, want) <= parity.TOL
+    assert bool((got["labels"] == ref["labels"]).all())
+    for key, value in ref["metrics"].items():
+        assert abs(got["metrics"][key] - value) <= parity.TOL * abs(value), (key, got["metrics"][key], value)
 
 
 def evaluate(rank: int, world: int, path: str, out: str) -> float:

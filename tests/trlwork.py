@@ -42,11 +42,13 @@ def _dataset(completion_only: bool):
 
 
 def sft(rank: int, world: int, path: str, out: str, packing: bool = False, completion_only: bool = False,
-        optim: str = "sgd", lora: dict[str, Any] | None = None, checkpointing: bool = False) -> dict[str, Any]:
+        optim: str = "sgd", lora: dict[str, Any] | None = None, checkpointing: bool = False,
+        label_smoothing: float = 0.0, loss_func: bool = False) -> dict[str, Any]:
     """``SFTTrainer(model=..., args=SFTConfig(...), train_dataset=...).train()``, 3 steps: every rank
     returns the logged loss, grad norm, entropy and token accuracy per step, rank 0 the parameters.
     ``lora``: a ``LoraConfig``'s arguments, handed to TRL as ``peft_config`` (TRL wraps the model);
-    ``checkpointing``: ``gradient_checkpointing=True`` (TRL's default is off)."""
+    ``checkpointing``: ``gradient_checkpointing=True`` (TRL's default is off); ``label_smoothing``
+    (``label_smoothing_factor``) and ``loss_func`` (``compute_loss_func``): the loss from the logits."""
     import torch
     from peft import LoraConfig
     from trl import SFTConfig, SFTTrainer
@@ -62,15 +64,42 @@ def sft(rank: int, world: int, path: str, out: str, packing: bool = False, compl
         save_strategy="no", use_cpu=True, disable_tqdm=True, packing=packing, max_length=SEQ * 2 if packing else SEQ,
         completion_only_loss=completion_only if completion_only else None, dataset_num_proc=None, seed=0,
         padding_free=False, bf16=False,  # TRL turns bf16 autocast on by default: parity is checked in fp32
-        gradient_checkpointing=checkpointing,
+        gradient_checkpointing=checkpointing, label_smoothing_factor=label_smoothing,
     )
     peft = None
     if lora:
         torch.manual_seed(7)  # the adapters' init: the same draws in every process
         peft = LoraConfig(**lora)
     run = SFTTrainer(model=model, args=args, train_dataset=_dataset(completion_only), processing_class=tokenizer(),
-                     peft_config=peft)
+                     peft_config=peft, compute_loss_func=trainwork.shifted_ce if loss_func else None)
     return _trained(rank, run, model, ("loss", "grad_norm", "entropy", "mean_token_accuracy"))
+
+
+def sft_predict(rank: int, world: int, path: str, out: str) -> dict[str, Any]:
+    """``SFTTrainer(..., compute_metrics=token_metrics)``: ``.evaluate()``'s metrics and
+    ``.predict()``'s logits on 6 rows (the last global batch cut)."""
+    import torch
+    from trl import SFTConfig, SFTTrainer
+
+    args = SFTConfig(output_dir=out, per_device_eval_batch_size=trainwork.GLOBAL_BATCH // _dp(), report_to=[],
+                     use_cpu=True, disable_tqdm=True, max_length=SEQ, dataset_num_proc=None, padding_free=False,
+                     bf16=False)
+    rows = _dataset(False).select(range(6))
+    run = SFTTrainer(model=trainwork.parity._load(path), args=args, train_dataset=rows, eval_dataset=rows,
+                     processing_class=tokenizer(),
+                     compute_metrics=trainwork.token_metrics)
+    metrics = run.evaluate()
+    predicted = run.predict(rows)
+    return {"metrics": {k: metrics[f"eval_{k}"] for k in ("loss", "accuracy", "mean_logit")},
+            "logits": torch.as_tensor(predicted.predictions), "labels": torch.as_tensor(predicted.label_ids),
+            "others": []}
+
+
+def _dp() -> int:
+    import hp_lazy
+    from hp_lazy.api import active_plan
+
+    return hp_lazy.mesh().group("dp").size if active_plan() is not None else 1
 
 
 def _trained(rank: int, run: Any, model: Any, keys: tuple[str, ...] | None = None) -> dict[str, Any]:

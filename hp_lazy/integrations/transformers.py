@@ -31,6 +31,7 @@ slices cut over ep are presented the same way (on the expert mesh), so an ep mod
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from collections.abc import Callable, Mapping
@@ -53,6 +54,7 @@ def install(module: ModuleType, degrees: Degrees) -> None:
         return
     cls.get_tp_size = _get_tp_size(cls.get_tp_size, degrees)
     cls.compute_loss = _compute_loss(cls.compute_loss)
+    cls.prediction_step = _prediction_step(cls.prediction_step)
     cls._save = _save(cls._save)
     cls._save_optimizer_and_scheduler = _save_optimizer(cls._save_optimizer_and_scheduler, degrees)
     cls._load_optimizer_and_scheduler = _load_optimizer(cls._load_optimizer_and_scheduler, degrees)
@@ -238,7 +240,9 @@ def _compute_loss(stock: Callable[..., Any]) -> Callable[..., Any]:
     def compute_loss(self: Any, model: Any, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Any:
         model_loss = "labels" in inputs and self.label_smoother is None and self.compute_loss_func is None
-        loss, outputs = stock(self, model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
+        own_loss = "labels" in inputs and not model_loss and lowered(model)  # computed here, from the logits
+        with _whole_outputs() if own_loss else contextlib.nullcontext():
+            loss, outputs = stock(self, model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
         aux = outputs.get("aux_loss") if isinstance(outputs, Mapping) else None
         if aux is None or not model_loss or num_items_in_batch is None or not self.model_accepts_loss_kwargs \
                 or not self.args.average_tokens_across_devices or not lowered(model):
@@ -256,6 +260,28 @@ def _compute_loss(stock: Callable[..., Any]) -> Callable[..., Any]:
         return (loss, outputs) if return_outputs else loss
 
     return compute_loss
+
+
+def _prediction_step(stock: Callable[..., Any]) -> Callable[..., Any]:
+    """Predictions (``compute_metrics``, ``preprocess_logits_for_metrics``, ``Trainer.predict``) are
+    one process's logits: the forward runs under :func:`hp_lazy.whole_outputs` (they would hold
+    this rank's rows under context parallel, its vocab columns under loss parallel). An evaluation
+    of the loss alone keeps them cut."""
+
+    @functools.wraps(stock)
+    def prediction_step(self: Any, model: Any, inputs: dict[str, Any], prediction_loss_only: bool,
+                        ignore_keys: list[str] | None = None) -> Any:
+        wanted = not prediction_loss_only and lowered(model)
+        with _whole_outputs() if wanted else contextlib.nullcontext():
+            return stock(self, model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+
+    return prediction_step
+
+
+def _whole_outputs() -> contextlib.AbstractContextManager[None]:
+    from hp_lazy.runtime.outputs import whole
+
+    return whole()
 
 
 def _get_tp_size(stock: Callable[..., int], degrees: Degrees) -> Callable[..., int]:

@@ -63,6 +63,32 @@ def install(module: ModuleType) -> None:
             setattr(imported, ADD, routed)
 
 
+SFT = "trl.trainer.sft_trainer"
+
+
+def install_sft(module: ModuleType) -> None:
+    """``SFTTrainer.compute_loss`` of ``module`` (``trl.trainer.sft_trainer``), once: the calls in it
+    that read the logits (``return_outputs``: the predictions of its ``prediction_step``; a
+    ``compute_loss_func``; label smoothing) run under :func:`hp_lazy.whole_outputs`; its fused call
+    is unchanged (it gathers its own per-token fields)."""
+    cls = getattr(module, "SFTTrainer", None)
+    if cls is None or vars(cls).get(PATCHED, False):  # not the Trainer's mark, which it inherits
+        return
+    stock = cls.compute_loss
+
+    @functools.wraps(stock)
+    def compute_loss(self: Any, model: Any, inputs: Any, return_outputs: bool = False,
+                     num_items_in_batch: Any = None) -> Any:
+        from hp_lazy.runtime.outputs import whole
+
+        reads_logits = return_outputs or self.compute_loss_func is not None or self.label_smoother is not None
+        with whole() if reads_logits else contextlib.nullcontext():
+            return stock(self, model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+
+    cls.compute_loss = compute_loss
+    setattr(cls, PATCHED, True)
+
+
 AUX = "load_balancing_loss_func"
 MIXTRAL = "transformers.models.mixtral.modeling_mixtral"
 """Where TRL's fused forward takes the MoE aux loss function from, for every family."""

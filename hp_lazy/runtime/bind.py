@@ -313,7 +313,7 @@ def _bind_boundary(
     if hasattr(type(module), FORM) and not contract.skip_source_lowering:
         return  # the lowered forward reads it
     if isinstance(module, nn.ModuleList):
-        install_stack(module, binding)
+        install_stack(module, binding, ctx.root.get_submodule(fqn.rpartition(".")[0]))
     elif not any(style.attach(fqn, module, binding, ctx) for style in styles):
         leaves.wrap_forward(module, binding)
 

@@ -17,7 +17,7 @@ from torch.nn.modules.module import register_module_module_registration_hook
 
 from hp_lazy.errors import ShardingError
 from hp_lazy.names import BOUND, CP_ENTRY, INPUT_CHECK, LAID_OUT, LAZY_HOOK, LAZY_INIT, WATCH, WRAPPED
-from hp_lazy.runtime import guard, record
+from hp_lazy.runtime import guard, outputs, record
 from hp_lazy.runtime.binding import Binding, CallContext, add_deferred_bias
 from hp_lazy.runtime.comm import (
     all_to_all,
@@ -118,7 +118,7 @@ def install_root(cls: type[nn.Module]) -> None:
         entry = self.__dict__.get(CP_ENTRY)
         if entry is None:
             return inner(self, *args, **kwargs)
-        return entry(inner, self, args, kwargs)
+        return entry(inner, self, args, kwargs, whole=outputs.wanted())
 
     cls.forward = forward
 

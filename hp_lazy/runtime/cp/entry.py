@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hp_lazy.errors import ShardingError
+from hp_lazy.runtime import outputs
 from hp_lazy.runtime.comm import reduce_from
 from hp_lazy.runtime.cp import state as cp_state
 from hp_lazy.runtime.cp.zigzag import zigzag
@@ -84,7 +85,10 @@ class ContextEntry:
         """What the sequence length must be a multiple of: the zigzag's 2 * cp chunks, and the pieces."""
         self._signatures: dict[Callable[..., Any], inspect.Signature] = {}
 
-    def __call__(self, forward: Callable[..., Any], module: nn.Module, args: tuple, kwargs: dict) -> Any:
+    def __call__(self, forward: Callable[..., Any], module: nn.Module, args: tuple, kwargs: dict,
+                 whole: bool = False) -> Any:
+        """``whole``: the per-token outputs gathered back into sequence order on every rank
+        (:func:`hp_lazy.runtime.outputs.sequence_whole`); else they hold this rank's rows."""
         if cp_state.current() is not None:  # a nested root inside a cp forward: already split
             return forward(module, *args, **kwargs)
         values = self._arguments(forward, module, args, kwargs)
@@ -98,6 +102,9 @@ class ContextEntry:
             out.loss = reduce_from(out.loss, self.group)
         if isinstance(getattr(out, "aux_loss", None), torch.Tensor):
             out.aux_loss = self._global_aux(out.aux_loss, module)
+        if whole:
+            tokens = call["input_ids" if "input_ids" in call else "inputs_embeds"]
+            out = outputs.sequence_whole(out, self.group, tokens.shape[0], tokens.shape[1], self.owner)
         return out
 
     def _global_aux(self, aux_loss: torch.Tensor, module: nn.Module) -> torch.Tensor:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -32,13 +32,17 @@ from hp_lazy.plan.placement import Shard
 from hp_lazy.runtime.binding import Binding
 from hp_lazy.runtime.comm import pairs
 from hp_lazy.runtime.leaves import own_forward
+from hp_lazy.runtime.mesh import Group
 
 
-def install_stack(stack: nn.ModuleList, binding: Binding) -> None:
+def install_stack(stack: nn.ModuleList, binding: Binding, owner: nn.Module) -> None:
+    """``owner``: the module holding the stack (the text model), whose output records the hidden
+    states between the boundaries."""
     if len(stack) == 0:
         raise ShardingError(f"{binding.fqn}: the layer stack is empty; remove its contract from the plan")
     stack[0].register_forward_pre_hook(_stack_entry(binding, stack), with_kwargs=True)
     stack[len(stack) - 1].register_forward_hook(_stack_exit(binding, stack), with_kwargs=True)
+    owner.register_forward_hook(_hidden_states_joined(binding, stack), with_kwargs=True)
 
 
 def _stack_entry(binding: Binding, stack: nn.ModuleList) -> Callable[..., tuple[tuple, dict]]:
@@ -86,6 +90,34 @@ def _stack_exit(binding: Binding, stack: nn.ModuleList) -> Callable[..., Any]:
         return (joined, *output[1:]) if isinstance(output, tuple) else joined
 
     return hook
+
+
+def _hidden_states_joined(binding: Binding, stack: nn.ModuleList) -> Callable[..., Any]:
+    """``output_hidden_states=True``: transformers records each layer's input, this rank's piece of
+    the sequence between the boundaries; the owner's ``out.hidden_states`` are joined over tp like
+    its last hidden state (all-gather forward, this rank's piece of the gradient backward)."""
+    group = binding.groups["tp"]
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        states = output.get("hidden_states") if isinstance(output, Mapping) else None
+        last = output.get("last_hidden_state") if states else None
+        if states and isinstance(last, torch.Tensor) and last.dim() >= 2:
+            output["hidden_states"] = tuple(_joined(binding, stack, state, group, last.shape[1]) for state in states)
+
+    return hook
+
+
+def _joined(binding: Binding, stack: nn.ModuleList, state: Any, group: Group, whole: int) -> Any:
+    dim = 1 if not isinstance(state, torch.Tensor) or state.dim() <= 3 else stack.__dict__.get(SEQUENCE_DIM, 1)
+    if not isinstance(state, torch.Tensor) or state.shape[dim] == whole:
+        return state
+    if state.shape[dim] * group.size == whole:
+        return pairs.gather_from(state, group, dim)
+    raise ShardingError(
+        f"{binding.fqn}: out.hidden_states holds a tensor of shape {list(state.shape)} under sequence parallel, "
+        f"neither the whole sequence ({whole} tokens at dim {dim}) nor one of its tp={group.size} pieces; "
+        "pass output_hidden_states=False"
+    )
 
 
 def _stacked(binding: Binding, stack: nn.ModuleList, x: Any, layer: nn.Module, args: tuple, kwargs: dict,

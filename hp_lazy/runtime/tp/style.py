@@ -21,6 +21,7 @@ from torch import nn
 from hp_lazy.errors import ShardingError
 from hp_lazy.plan.model import Contract
 from hp_lazy.plan.placement import Shard
+from hp_lazy.runtime import outputs
 from hp_lazy.runtime.adapters import base_of
 from hp_lazy.runtime.binding import Binding
 from hp_lazy.runtime.ep import aux
@@ -133,6 +134,7 @@ class TensorParallelStyle:
                     "whose loss_function hp_lazy can replace; use out_dst 'R' (gathered logits) for this model"
                 )
             setattr(ctx.root, "loss_function", VocabParallelCausalLMLoss(group, group.rank * module.weight.shape[0]))
+            outputs.keep_vocab_whole_for_callers(ctx.root, group)
 
 
 
