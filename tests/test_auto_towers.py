@@ -74,16 +74,17 @@ def _load_vl(rank: int, world: int, path: str) -> str:
 def gemma4(refs) -> tuple[str, dict, dict[str, float]]:
     """The float32 reference and one process's own round-off floor: the largest distance of its
     float32 run from its float64 run over the gradients (6.2e-6, layer 0's k_proj), and over the
-    parameters after the 3 SGD steps (6.7e-5, the embedding). Gemma 4 computes its norms and softmax
-    in float32 whatever the model's dtype, and the steps at lr 0.1 amplify that round-off, so an entry
-    of either kind may reach twice its kind's floor where it is above 1e-5 (``parity.compare``);
-    logits, loss and the steps' losses are held to 1e-5."""
+    parameters after the 3 SGD steps (the embedding: 6.7e-5 on one machine, 1.6e-4 on another, whose
+    CPU's float32 kernels round otherwise). Gemma 4 computes its norms and softmax in float32 whatever
+    the model's dtype, and the steps at lr 0.1 amplify that round-off, so an entry of either kind may
+    reach twice its kind's floor where it is above 1e-5 (``parity.compare``); logits, loss and the
+    steps' losses are held to 1e-5."""
     path, ref = refs("gemma4")
     wide = parity.float64_floor(path, ref)
     floor = {}
     for kind in ("grad ", "param "):
         worst = max(e for name, e in wide.items() if name.startswith(kind))
-        assert worst < 1e-4, (kind, worst)  # the floor is the model's own, and it stays small
+        assert worst < 1e-3, (kind, worst)  # the floor is the model's own, and it stays small
         floor.update({name: worst for name in wide if name.startswith(kind)})
     return path, ref, floor
 

@@ -83,11 +83,15 @@ def _train64_holders_whole(rank: int, world: int, path: str, ids) -> dict:
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_deepseek_v4_matches_one_process(world: int, hashed, pool2: DistPool, pool4: DistPool) -> None:
+    """The entries the model keeps in float32 may reach twice ``world`` times one reordering's floor:
+    each rank sums its piece of the sequence in its own order, ``world`` orders where the floor's
+    run has one (``model.hc_head.hc_base`` at world 4: 1.2e-5 against a floor of 2.9e-6 on one
+    machine, under 1e-5 on another; a wrong cut is off by more than 1e-3)."""
     pool = parity.activated(pool2 if world == 2 else pool4, sequence_parallel=True)
     path, ref, floor = hashed
     result = pool.run(_train64, path, models.batch())[0]
     assert result["stacked"] == 2  # [B, S, N, H] hidden states in both layers
-    assert len(parity.compare(result, ref, floor)) > 10
+    assert len(parity.compare(result, ref, {name: world * v for name, v in floor.items()})) > 10
 
 
 def test_deepseek_v4_holders_read_whole_fail(hashed, pool2: DistPool) -> None:
