@@ -211,6 +211,37 @@ def test_recurrent_layers_cp_cannot_split_are_refused_by_layer(ready) -> None:
                    "KDA, Mamba2, Mamba1, short-convolution kernels and lightning attention; train without cp"] * 2
 
 
+def test_heads_whose_labels_cp_cannot_split_are_refused(ready) -> None:
+    """A sequence classifier (one token per row, labels per row) is refused when it binds; a masked
+    LM's labels per call (its loss was taken over each rank's rows with causal-LM shifted labels:
+    4.893 against one process's 4.881, silently). Without labels, the masked LM runs."""
+    pool, root = ready
+    path = models.build("llama_gqa", root)
+    assert pool.run(head_error, path, "AutoModelForSequenceClassification") == [
+        "ShardingError: LlamaForSequenceClassification: a ForSequenceClassification head under context parallel: it "
+        "reads one token per row (the last one, which only one rank holds) and its labels are per row, while context "
+        "parallel splits every row over the ranks; train it without cp (tp and sequence parallel keep each row whole)"
+    ] * 2
+    masked, ids = models.build("esmc", root), models.batch()
+    assert pool.run(cpwork.error, masked, {"input_ids": ids, "labels": ids}) == [
+        "ShardingError: EsmcForMaskedLM: 'labels' for a ForMaskedLM head under context parallel (cp=2): context "
+        "parallel splits the labels of a causal LM (shifted over the whole sequence before the split) only, and this "
+        "head's loss would be taken over each rank's rows; call the model without them under hp_lazy.whole_outputs() "
+        "and compute the loss from the whole logits, or train without cp"] * 2
+    assert pool.run(cpwork.error, masked, {"input_ids": ids}) == ["ok"] * 2
+
+
+def head_error(rank: int, world: int, path: str, auto: str) -> str:
+    """What binding ``auto.from_pretrained(path)`` (3 labels, a new head) raises."""
+    import transformers
+
+    try:
+        getattr(transformers, auto).from_pretrained(path, num_labels=3, pad_token_id=0)(input_ids=models.batch())
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "ok"
+
+
 def error_unrecognised(rank: int, world: int, path: str, data: dict) -> str:
     """:func:`cpwork.error` with no lightning attention recognised."""
     from hp_lazy.runtime.cp import lightning

@@ -22,7 +22,7 @@ from torch.nn.modules.module import register_module_module_registration_hook
 
 from hp_lazy.errors import ShardingError
 from hp_lazy.names import BINDING, BOUND, LAID_OUT, OWNER, WATCH
-from hp_lazy.runtime import adapters, clip, inputs, leaves, options, record, registry
+from hp_lazy.runtime import adapters, clip, inputs, leaves, options, record, registry, replicas
 from hp_lazy.runtime.bind import bind_layout, outermost_roots, tied_to_a_shard
 from hp_lazy.runtime.binding import Binding
 from hp_lazy.runtime.grads import GradOwner, rules_for
@@ -71,6 +71,8 @@ def parallelize(model: nn.Module, *, data_parallel: bool | None = None) -> nn.Mo
     watch = model.__dict__.get(WATCH)
     changed = watch is not None and watch.dirty  # submodules replaced since loading (PEFT applied before the forward)
     _own_gradients(model, bound, data_parallel)
+    if not changed:  # else refresh does it, once the names PEFT gave are in the table
+        replicas.agree(model, bound.table)
     for root in bound.roots:
         inputs.install(root, bound.mesh.group_of(("cp", "tp")))
     logprobs.register_head(model, bound.table)
@@ -165,6 +167,7 @@ def refresh(model: nn.Module) -> None:
     assert old is not None  # bound
     old.close()
     _own_gradients(model, bound, old.data_parallel)
+    replicas.agree(model, table)
     _watch(model)
 
 

@@ -50,6 +50,13 @@ _KNOWN = frozenset(
      "use_cache", "past_key_values", "output_attentions", "output_hidden_states", "logits_to_keep", "return_dict",
      "cache_position", "output_router_logits", "seq_idx"}
 )
+CAUSAL_LOSSES = (None, "ForCausalLM", "ForConditionalGeneration")
+"""``loss_type`` of the heads whose labels the entry splits: a causal LM's, shifted over the whole
+sequence before the split (None: a model without a head of transformers' losses)."""
+POOLED_HEADS = frozenset({"ForSequenceClassification", "ForImageClassification", "ForVideoClassification",
+                          "ForAudioClassification"})
+"""``loss_type`` of heads that read one token per row: refused when the model binds."""
+LABEL_ARGUMENTS = ("labels", "start_positions", "end_positions")
 SPLIT_AS_TOKENS = ("seq_idx",)
 """Per-token ``[batch, seq]`` metadata kept for this rank's rows like the tokens (TRL's padding-free
 packing passes the documents' ids; the attention reads the documents from the position ids)."""
@@ -72,8 +79,10 @@ class ContextEntry:
     """Split one call's batch over the cp group (see the module doc)."""
 
     def __init__(self, owner: str, group: Group, mode: str = "cp_allgather_kv", towers: tuple[str, ...] = (),
-                 pieces: int = 1) -> None:
+                 pieces: int = 1, loss_type: str | None = None) -> None:
         self.owner = owner
+        self.loss_type = loss_type
+        """transformers' ``loss_type`` of the model: labels are split for :data:`CAUSAL_LOSSES` only."""
         self.group = group
         self.mode = mode
         self.towers = towers
@@ -142,6 +151,13 @@ class ContextEntry:
         if values.get("past_key_values") is not None or values.get("use_cache") is True:
             raise self._refuse("a KV cache (use_cache=True / past_key_values)", "generation appends one token at a "
                                "time, which cannot be split over the sequence", "generate with a tp-only plan")
+        given = [name for name in LABEL_ARGUMENTS if values.get(name) is not None]
+        if given and self.loss_type not in CAUSAL_LOSSES:
+            raise self._refuse(
+                f"{given[0]!r} for a {self.loss_type} head", "context parallel splits the labels of a causal LM "
+                "(shifted over the whole sequence before the split) only, and this head's loss would be taken over "
+                "each rank's rows", "call the model without them under hp_lazy.whole_outputs() and compute the loss "
+                "from the whole logits, or train without cp")
         if values.get("output_attentions"):
             raise self._refuse("output_attentions=True", "the attention weights are never built (each rank holds "
                                "its queries' rows only)", "drop the option")

@@ -39,7 +39,7 @@ from hp_lazy.names import CP_ENTRY, IMPL
 from hp_lazy.plan.model import Contract
 from hp_lazy.runtime.binding import Binding
 from hp_lazy.runtime.cp import attention, indexed, latent, lightning, positions, recurrent, rope
-from hp_lazy.runtime.cp.entry import ContextEntry
+from hp_lazy.runtime.cp.entry import POOLED_HEADS, ContextEntry
 from hp_lazy.runtime.cp.state import padding_rows
 from hp_lazy.runtime.ep import aux
 from hp_lazy.runtime.leaves import calls_attention
@@ -173,7 +173,15 @@ class ContextParallelStyle:
                 f"{family}: its attention modules carry different cp inner ops {sorted(self.kinds)}; use one kind"
             )
         pieces = ctx.groups["tp"].size if split_stacks(ctx) else 1  # sequence parallel inside each cp rank's rows
-        root.__dict__[CP_ENTRY] = ContextEntry(family, ctx.groups["cp"], next(iter(self.kinds)), tuple(towers), pieces)
+        loss_type = getattr(root, "loss_type", None)
+        if loss_type in POOLED_HEADS:
+            raise ShardingError(
+                f"{family}: a {loss_type} head under context parallel: it reads one token per row (the last one, "
+                "which only one rank holds) and its labels are per row, while context parallel splits every row "
+                "over the ranks; train it without cp (tp and sequence parallel keep each row whole)"
+            )
+        root.__dict__[CP_ENTRY] = ContextEntry(family, ctx.groups["cp"], next(iter(self.kinds)), tuple(towers), pieces,
+                                               loss_type=loss_type)
         _global_aux(ctx)
 
 
