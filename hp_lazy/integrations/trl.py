@@ -63,9 +63,6 @@ def install(module: ModuleType) -> None:
             setattr(imported, ADD, routed)
 
 
-SFT = "trl.trainer.sft_trainer"
-
-
 def install_sft(module: ModuleType) -> None:
     """``SFTTrainer.compute_loss`` of ``module`` (``trl.trainer.sft_trainer``), once: the calls in it
     that read the logits (``return_outputs``: the predictions of its ``prediction_step``; a

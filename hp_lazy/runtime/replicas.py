@@ -37,7 +37,8 @@ def agree(model: nn.Module, table: LayoutTable | None) -> list[str]:
         return []
     live = dict(model.named_parameters())
     whole = [(name, p) for name, p in live.items()
-             if p.is_floating_point() and p.numel() and not _cut(table, name, live) and not _distributed(p)]
+             if p.is_floating_point() and p.numel() and not p.is_meta and not _cut(table, name, live)
+             and not _distributed(p)]
     if not whole:
         return []
     device = whole[0][1].device
