@@ -1,7 +1,8 @@
 """TRL at tp=2 (world 2), against one process: ``SFTTrainer`` (packing off and on,
 ``completion_only_loss``) — logged loss, grad norm, entropy and token accuracy per step and every
 parameter after 3 steps — and TRL's fused LM head in a user loop (every per-token field and every
-gradient, with temperature, logit scale and softcapping), with the bytes its collectives move.
+gradient, with temperature, logit scale and softcapping), with the bytes its collectives move;
+``DPOTrainer``; ``RewardTrainer`` on a sequence classifier with a new head each rank drew.
 Negative control: TRL's own kernel on the vocab shard is silently wrong."""
 
 from __future__ import annotations
@@ -89,6 +90,23 @@ def test_dpo_trainer(pool: DistPool, refs, tmp_path) -> None:
     ref = trlwork.dpo(0, 1, path, str(tmp_path / "ref"))
     assert float(ref["rewards/accuracies"][-1]) > 0  # the second step sees the first's update
     trlwork.compare_logged(pool.run(trlwork.dpo, path, str(tmp_path / "hp"))[0], ref)
+
+
+def test_reward_trainer_with_a_head_each_rank_drew(pool: DistPool, refs, tmp_path) -> None:
+    """``RewardTrainer`` on a sequence classifier whose one-label ``score`` head is new, drawn with
+    another seed on every rank (hp_lazy makes it rank 0's at bind, as DDP would): every logged number
+    and every parameter after 3 steps equal one process that drew rank 0's head. Rewards (~0.05)
+    and their margins, differences of them, are compared on the rewards' scale."""
+    path, _ = refs("llama")
+    ref = trlwork.reward(0, 1, path, str(tmp_path / "ref"))
+    got = pool.run(trlwork.reward, path, str(tmp_path / "hp"))[0]
+    scale = max(float(ref[k].abs().max()) for k in ("max_reward", "min_reward"))
+    errors = {k: float((got[k] - v).abs().max()) / scale if "reward" in k or k == "margin" else models.rel_err(got[k], v)
+              for k, v in ref.items() if k != "state"}
+    errors.update({f"param {n}": models.rel_err(got["state"][n], v) for n, v in ref["state"].items()})
+    assert {"loss", "accuracy", "margin", "param score.weight"} <= set(errors)
+    bad = {k: v for k, v in errors.items() if not v <= parity.TOL}
+    assert not bad, bad
 
 
 def _trl_then_activate(rank: int, world: int) -> None:

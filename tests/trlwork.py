@@ -199,6 +199,25 @@ def sft_local_aux(rank: int, world: int, path: str, out: str) -> dict[str, Any]:
         integration._global_aux = routed
 
 
+def reward(rank: int, world: int, path: str, out: str) -> dict[str, Any]:
+    """``RewardTrainer`` on a sequence classifier loaded from the causal LM at ``path`` (its one-label
+    ``score`` head new: drawn with seed 0 on rank 0, another seed on every other rank), 3 SGD steps:
+    the logged loss, grad norm and accuracy per step, rank 0 the parameters."""
+    import torch
+    from transformers import AutoModelForSequenceClassification
+    from trl import RewardConfig, RewardTrainer
+
+    torch.manual_seed(0 if rank == 0 else 100 + rank)
+    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, pad_token_id=0, dtype=torch.float32)
+    args = RewardConfig(
+        output_dir=out, per_device_train_batch_size=trainwork.GLOBAL_BATCH // _dp(), max_steps=3, logging_steps=1,
+        report_to=[], optim="sgd", learning_rate=0.1, weight_decay=0.01, save_strategy="no", use_cpu=True,
+        disable_tqdm=True, dataset_num_proc=None, seed=0, bf16=False, max_length=SEQ + 2,
+    )
+    run = RewardTrainer(model=model, args=args, train_dataset=_preferences(), processing_class=tokenizer())
+    return _trained(rank, run, model)
+
+
 def _preferences():
     """8 rows of prompt (5 tokens) / chosen / rejected (6 tokens each) texts."""
     from datasets import Dataset
