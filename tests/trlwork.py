@@ -81,25 +81,17 @@ def sft_predict(rank: int, world: int, path: str, out: str) -> dict[str, Any]:
     import torch
     from trl import SFTConfig, SFTTrainer
 
-    args = SFTConfig(output_dir=out, per_device_eval_batch_size=trainwork.GLOBAL_BATCH // _dp(), report_to=[],
+    args = SFTConfig(output_dir=out, per_device_eval_batch_size=trainwork.GLOBAL_BATCH // trainwork._dp_size(), report_to=[],
                      use_cpu=True, disable_tqdm=True, max_length=SEQ, dataset_num_proc=None, padding_free=False,
                      bf16=False)
     rows = _dataset(False).select(range(6))
     run = SFTTrainer(model=trainwork.parity._load(path), args=args, train_dataset=rows, eval_dataset=rows,
-                     processing_class=tokenizer(),
-                     compute_metrics=trainwork.token_metrics)
+                     processing_class=tokenizer(), compute_metrics=trainwork.token_metrics)
     metrics = run.evaluate()
     predicted = run.predict(rows)
     return {"metrics": {k: metrics[f"eval_{k}"] for k in ("loss", "accuracy", "mean_logit")},
             "logits": torch.as_tensor(predicted.predictions), "labels": torch.as_tensor(predicted.label_ids),
             "others": []}
-
-
-def _dp() -> int:
-    import hp_lazy
-    from hp_lazy.api import active_plan
-
-    return hp_lazy.mesh().group("dp").size if active_plan() is not None else 1
 
 
 def _trained(rank: int, run: Any, model: Any, keys: tuple[str, ...] | None = None) -> dict[str, Any]:
@@ -210,7 +202,7 @@ def reward(rank: int, world: int, path: str, out: str) -> dict[str, Any]:
     torch.manual_seed(0 if rank == 0 else 100 + rank)
     model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, pad_token_id=0, dtype=torch.float32)
     args = RewardConfig(
-        output_dir=out, per_device_train_batch_size=trainwork.GLOBAL_BATCH // _dp(), max_steps=3, logging_steps=1,
+        output_dir=out, per_device_train_batch_size=trainwork.GLOBAL_BATCH // trainwork._dp_size(), max_steps=3, logging_steps=1,
         report_to=[], optim="sgd", learning_rate=0.1, weight_decay=0.01, save_strategy="no", use_cpu=True,
         disable_tqdm=True, dataset_num_proc=None, seed=0, bf16=False, max_length=SEQ + 2,
     )
