@@ -83,6 +83,7 @@ def trainer(rank: int, world: int, path: str, out: str, optim: str = "sgd", ga: 
         max_steps=3, logging_steps=1, report_to=[], optim=optim, learning_rate=lr, weight_decay=0.01,
         max_grad_norm=max_grad_norm, save_strategy="no", use_cpu=True, disable_tqdm=True,
         gradient_checkpointing=gradient_checkpointing, label_smoothing_factor=label_smoothing,
+        include_num_input_tokens_seen="all",
         **({"torch_compile": True, "torch_compile_backend": torch_compile} if torch_compile else {}),
     )
     run = Trainer(model=model, args=args, train_dataset=Rows(), compute_loss_func=shifted_ce if loss_func else None)
@@ -91,6 +92,7 @@ def trainer(rank: int, world: int, path: str, out: str, optim: str = "sgd", ga: 
     result: dict[str, Any] = {
         "loss": torch.tensor([h["loss"] for h in logged], dtype=torch.float64),
         "grad_norm": torch.tensor([h["grad_norm"] for h in logged], dtype=torch.float64),
+        "tokens": [h["num_input_tokens_seen"] for h in logged],
         "wrapped": type(run.model_wrapped).__name__,
         "total_batch": run.get_total_train_batch_size(args),
     }
@@ -174,6 +176,7 @@ def compare_trainer(got: dict[str, Any], ref: dict[str, Any], tol: float = parit
     errors.update({f"param {n}": models.rel_err(got["state"][n], v) for n, v in ref["state"].items()})
     bad = {k: v for k, v in errors.items() if not v <= tol}
     assert not bad, f"relative errors above {tol}: {dict(list(bad.items())[:6])}"
+    assert got["tokens"] == ref["tokens"], (got["tokens"], ref["tokens"])  # include_num_input_tokens_seen
     return errors
 
 

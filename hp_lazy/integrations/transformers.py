@@ -9,7 +9,8 @@ CPU; see :mod:`hp_lazy.integrations.accelerate`). So, installed by ``activate`` 
 ``transformers.trainer`` is imported, ``get_tp_size`` answers ``world / dp`` (the ranks of one tp x
 cp group) for a model hp_lazy lowered, when the Trainer knows no other tensor parallelism. The
 token count and the loss scale change together, so the gradient is the same either way; the
-counts the Trainer reports become one process's.
+counts the Trainer reports become one process's (``num_input_tokens_seen``, which sums every
+process's batch, is divided by it too).
 
 Checkpoints: the Trainer saves the model on the main process only, but an hp_lazy model's
 ``save_pretrained`` gathers its shards (a collective), so ``_save`` makes the other ranks join it
@@ -55,6 +56,8 @@ def install(module: ModuleType, degrees: Degrees) -> None:
     cls.get_tp_size = _get_tp_size(cls.get_tp_size, degrees)
     cls.compute_loss = _compute_loss(cls.compute_loss)
     cls.prediction_step = _prediction_step(cls.prediction_step)
+    if hasattr(cls, "_track_num_input_tokens"):
+        cls._track_num_input_tokens = _track_num_input_tokens(cls._track_num_input_tokens)
     cls._save = _save(cls._save)
     cls._save_optimizer_and_scheduler = _save_optimizer(cls._save_optimizer_and_scheduler, degrees)
     cls._load_optimizer_and_scheduler = _load_optimizer(cls._load_optimizer_and_scheduler, degrees)
@@ -276,6 +279,21 @@ def _prediction_step(stock: Callable[..., Any]) -> Callable[..., Any]:
             return stock(self, model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
 
     return prediction_step
+
+
+def _track_num_input_tokens(stock: Callable[..., None]) -> Callable[..., None]:
+    """``include_num_input_tokens_seen``: the Trainer sums every process's batch, and the ranks of a
+    tp x cp group read the same rows: each was counted ``get_tp_size()`` times (twice at tp=2)."""
+
+    @functools.wraps(stock)
+    def _track_num_input_tokens(self: Any, inputs: Any) -> None:
+        before = self.state.num_input_tokens_seen
+        stock(self, inputs)
+        sharing = self.get_tp_size()
+        if sharing > 1 and self.model is not None and lowered(self.model):
+            self.state.num_input_tokens_seen = before + (self.state.num_input_tokens_seen - before) // sharing
+
+    return _track_num_input_tokens
 
 
 def _whole_outputs() -> contextlib.AbstractContextManager[None]:
