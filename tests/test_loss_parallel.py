@@ -109,3 +109,16 @@ def test_sft_trainer_predictions(ready, tmp_path) -> None:
     ref = trlwork.sft_predict(0, 1, path, str(tmp_path / "ref"))
     for got in pool.run(trlwork.sft_predict, path, str(tmp_path / "hp")):
         trainwork.compare_predictions(got, ref)
+
+
+def test_grpo_trainer(ready, tmp_path) -> None:
+    """TRL's ``GRPOTrainer`` generates with ``model.generate``: its steps' logits come back whole, so
+    both ranks sample one process's completions (before, each sampled from its half of the
+    vocabulary and the next forward was refused as different inputs): every logged number and every
+    parameter equal one process's."""
+    pytest.importorskip("trl")
+    import trlwork
+
+    pool, path = ready
+    ref = trlwork.online(0, 1, path, str(tmp_path / "ref"), trainer="GRPO")
+    trlwork.compare_logged(pool.run(trlwork.online, path, str(tmp_path / "hp"), trainer="GRPO")[0], ref)
