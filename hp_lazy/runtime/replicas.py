@@ -28,6 +28,8 @@ from hp_lazy.runtime.layout import LayoutTable
 
 logger = logging.getLogger("hp_lazy")
 _SHOWN = 4
+_CHUNK = 1 << 22
+"""Elements fingerprinted at a time (32 MiB in float64)."""
 
 
 def agree(model: nn.Module, table: LayoutTable | None) -> list[str]:
@@ -78,5 +80,10 @@ def _distributed(param: torch.Tensor) -> bool:
 
 
 def _fingerprint(param: torch.Tensor) -> torch.Tensor:
-    values = param.detach().double()
-    return torch.stack([values.sum(), values.square().sum()])
+    """``[sum, sum of squares]`` in float64, a chunk at a time: a float64 copy of a whole
+    replicated embedding would hold twice (bf16: four times) its memory on the device."""
+    total = torch.zeros(2, dtype=torch.float64, device=param.device)
+    for chunk in param.detach().reshape(-1).split(_CHUNK):
+        values = chunk.double()
+        total += torch.stack([values.sum(), values.square().sum()])
+    return total
