@@ -44,6 +44,7 @@ from hp_lazy.integrations.accelerate import lowered, sharing_degrees
 from hp_lazy.names import PATCHED
 from hp_lazy.runtime.ep.aux import text_config
 from hp_lazy.runtime.mesh import get_mesh
+from hp_lazy.runtime.outputs import whole as whole_outputs
 
 Degrees = Callable[[], "Mapping[str, int] | None"]
 
@@ -243,8 +244,8 @@ def _compute_loss(stock: Callable[..., Any]) -> Callable[..., Any]:
     def compute_loss(self: Any, model: Any, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Any:
         model_loss = "labels" in inputs and self.label_smoother is None and self.compute_loss_func is None
-        own_loss = "labels" in inputs and not model_loss and lowered(model)  # computed here, from the logits
-        with _whole_outputs() if own_loss else contextlib.nullcontext():
+        own_loss = "labels" in inputs and not model_loss  # computed here, from the logits
+        with whole_outputs() if own_loss else contextlib.nullcontext():
             loss, outputs = stock(self, model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
         aux = outputs.get("aux_loss") if isinstance(outputs, Mapping) else None
         if aux is None or not model_loss or num_items_in_batch is None or not self.model_accepts_loss_kwargs \
@@ -274,8 +275,7 @@ def _prediction_step(stock: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(stock)
     def prediction_step(self: Any, model: Any, inputs: dict[str, Any], prediction_loss_only: bool,
                         ignore_keys: list[str] | None = None) -> Any:
-        wanted = not prediction_loss_only and lowered(model)
-        with _whole_outputs() if wanted else contextlib.nullcontext():
+        with whole_outputs() if not prediction_loss_only else contextlib.nullcontext():
             return stock(self, model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
 
     return prediction_step
@@ -294,12 +294,6 @@ def _track_num_input_tokens(stock: Callable[..., None]) -> Callable[..., None]:
             self.state.num_input_tokens_seen = before + (self.state.num_input_tokens_seen - before) // sharing
 
     return _track_num_input_tokens
-
-
-def _whole_outputs() -> contextlib.AbstractContextManager[None]:
-    from hp_lazy.runtime.outputs import whole
-
-    return whole()
 
 
 def _get_tp_size(stock: Callable[..., int], degrees: Degrees) -> Callable[..., int]:
